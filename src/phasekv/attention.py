@@ -1,0 +1,234 @@
+"""Attention for full, sliding and compressed layers (PAPER.md section 1).
+
+A compressed layer's query at position t uses ONE softmax over
+  (a) the exact keys/values of the last `local_window` raw tokens (t itself included), or, with
+      `uncompressed_tail`, only the raw tokens not yet inside a complete window, and
+  (b) every compressed entry whose window is complete (last token <= t),
+plus an optional learned per-head sink logit in the denominator.  A sliding layer is (a) alone.
+Full layers use PyTorch SDPA.
+
+Layout: per-head tensors are (B, KVH, G, T, D) with query head h = kvh * G + g (as HF's
+`repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).
+
+The fast path tiles queries in blocks and reads the local window as a strided view, so time and
+memory grow like T * (local_window + T / S); `windowed_attention_reference` is the per-query loop
+it is tested against.  Both the training forward and cached inference run the same code: the
+training forward is cached inference that starts from an empty cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasekv.cache import LayerCache
+from phasekv.compression import build as build_compressor
+from phasekv.config import LAYER_KINDS_BUILTIN, ModelConfig
+from phasekv.layers import RMSNorm, Rotary
+
+
+@dataclass
+class Visible:
+    """What one block of queries may read, besides the raw local window."""
+
+    entries_k: torch.Tensor | None  # (B, KVH, N, D)
+    entries_v: torch.Tensor | None  # (B, KVH, N, D)
+    entries_end: torch.Tensor | None  # (N,) last token position of each entry's window
+    index_scores: torch.Tensor | None = None  # (B, Tq, N) top-k indexer scores (CSA only)
+    index_topk: int = 0
+
+
+def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
+    """First raw position NOT inside a complete window, for queries at positions t."""
+    done = torch.div(t - window + 1, stride, rounding_mode="floor")  # index of last complete window
+    return torch.where(t >= window - 1, done * stride + window, torch.zeros_like(t))
+
+
+def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """(B or 1, Tq, n) True where entry j is usable by the query."""
+    ok = (vis.entries_end[:n][None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
+    if vis.index_topk and n > vis.index_topk:
+        scores = vis.index_scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
+        keep = scores.topk(vis.index_topk, dim=-1).indices
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
+        ok = ok & chosen
+    return ok
+
+
+def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                       k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
+                       tail: tuple[int, int] | None, block: int) -> torch.Tensor:
+    """Joint softmax over the raw local window and visible compressed entries.
+
+    q (B, KVH, G, Tq, D) at positions q_pos (Tq,); k_all, v_all (B, KVH, local-1+Tq, D) hold the
+    `local - 1` raw tokens before the queries (position -1 = empty slot) then the queries' own.
+    `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
+    """
+    B, KVH, G, Tq, D = q.shape
+    scale = 1.0 / math.sqrt(D)
+    out = torch.empty_like(q)
+    n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    for a in range(0, Tq, block):
+        b = min(a + block, Tq)
+        qb, pos = q[:, :, :, a:b], q_pos[a:b]
+        kl = k_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
+        vl = v_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
+        kp = k_pos[a:b + local - 1].unfold(0, local, 1)  # (nb, L)
+        ok_local = kp >= 0
+        if tail is not None:
+            ok_local = ok_local & (kp >= tail_start(pos, *tail)[:, None])
+        logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl) * scale]  # (B, KVH, G, nb, L)
+        masks = [ok_local[None, None, None].expand(B, KVH, G, -1, -1)]
+        n = int((vis.entries_end <= pos[-1]).sum()) if n_total else 0  # entries any query here sees
+        if n:
+            ek = vis.entries_k[:, :, :n]
+            logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek) * scale)  # (B, KVH, G, nb, n)
+            sub = Visible(vis.entries_k, vis.entries_v, vis.entries_end,
+                          None if vis.index_scores is None else vis.index_scores[:, a:b], vis.index_topk)
+            masks.append(_entry_mask(sub, pos, n)[:, None, None].expand(B, KVH, G, -1, -1))
+        if sink is not None:
+            logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype))
+            masks.append(torch.ones(B, KVH, G, b - a, 1, dtype=torch.bool))
+        scores = torch.cat(logits, dim=-1).masked_fill(~torch.cat(masks, dim=-1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        res = torch.einsum("bkgtl,bktdl->bkgtd", probs[..., :local], vl)
+        if n:
+            res = res + torch.einsum("bkgtn,bknd->bkgtd", probs[..., local:local + n], vis.entries_v[:, :, :n])
+        out[:, :, :, a:b] = res
+    return out
+
+
+def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
+    """Per-query loop over explicitly listed visible keys: the oracle for `windowed_attention`."""
+    B, KVH, G, Tq, D = q.shape
+    out = torch.zeros_like(q)
+    for i in range(Tq):
+        t = int(q_pos[i])
+        first_raw = t - local + 1
+        if tail is not None:
+            first_raw = max(first_raw, int(tail_start(torch.tensor(t), *tail)))
+        raw = [j for j in range(k_all.shape[2]) if int(k_pos[j]) >= max(first_raw, 0) and int(k_pos[j]) <= t]
+        n = 0 if vis.entries_k is None else int((vis.entries_end <= t).sum())
+        chosen = list(range(n))
+        if vis.index_topk and n > vis.index_topk:
+            chosen = sorted(vis.index_scores[0, i, :n].topk(vis.index_topk).indices.tolist())
+            assert B == 1, "reference indexer selection is written for batch 1"
+        keys = torch.cat([k_all[:, :, raw], vis.entries_k[:, :, chosen] if n else k_all[:, :, :0]], dim=2)
+        vals = torch.cat([v_all[:, :, raw], vis.entries_v[:, :, chosen] if n else v_all[:, :, :0]], dim=2)
+        for kv in range(KVH):
+            for g in range(G):
+                s = keys[:, kv] @ q[:, kv, g, i, :, None] / math.sqrt(D)  # (B, M, 1)
+                s = s[..., 0]
+                if sink is not None:
+                    s = torch.cat([s, sink[kv * G + g].expand(B, 1)], dim=-1)
+                p = torch.softmax(s, dim=-1)[:, : keys.shape[2]]
+                out[:, kv, g, i] = (p[:, :, None] * vals[:, kv]).sum(1)
+    return out
+
+
+class Attention(nn.Module):
+    """Qwen3 attention (HF parameter names) with a full, sliding or compressed cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.kind = config.layer_types[layer_idx]
+        H, KVH, D, hidden = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                             config.hidden_size)
+        self.num_heads, self.num_kv_heads, self.head_dim = H, KVH, D
+        self.q_proj = nn.Linear(hidden, H * D, bias=False)
+        self.k_proj = nn.Linear(hidden, KVH * D, bias=False)
+        self.v_proj = nn.Linear(hidden, KVH * D, bias=False)
+        self.o_proj = nn.Linear(H * D, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.rotary = Rotary(D, config.rope_dims, config.rope_part, config.rope_theta)
+        self.compressor = None if self.kind in LAYER_KINDS_BUILTIN else build_compressor(config, self.kind)
+        self.tail = None
+        self.local = config.local_window
+        if self.compressor is not None and config.uncompressed_tail:
+            self.tail = (self.compressor.window, self.compressor.stride)
+            self.local = self.compressor.window  # the tail never holds more than W tokens
+        if config.attn_sink and self.kind != "full":
+            self.sink = nn.Parameter(torch.zeros(H))
+        else:
+            self.sink = None
+        self.query_block = config.query_block
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
+        if self.kind == "full":
+            return LayerCache()
+        hidden = self.q_proj.in_features
+        return LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
+
+    def _norm_rope(self, x: torch.Tensor, norm: str, positions: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, norm):
+            x = getattr(self, norm)(x)
+        return self.rotary(x, positions)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
+        """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
+        B, T, _ = x.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        pos = torch.arange(start, start + T, device=x.device)
+        q = self._norm_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), "q_norm", pos)  # (B, H, T, D)
+        k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D).transpose(1, 2), "k_norm", pos)  # (B, KVH, T, D)
+        v = self.v_proj(x).view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
+        if self.kind == "full":
+            out = self._full(q, k, v, cache, start)
+        else:
+            out = self._windowed(x, q, k, v, pos, cache, start)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def _full(self, q, k, v, cache, start):
+        if cache is not None:
+            k, v = cache.append_full(k, v)
+        T, P = q.shape[2], k.shape[2]
+        if P == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mask = torch.arange(P, device=q.device)[None, :] <= torch.arange(P - T, P, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def compressed_entries(self, h: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entries of the complete windows of h (B, P, hidden), whose first token is at position `first`
+        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,)."""
+        c = self.compressor
+        ek, ev = c.compress(h)  # (B, N, KVH, D)
+        n = ek.shape[1]
+        starts = first + torch.arange(n, device=h.device) * c.stride
+        ek = self._norm_rope(ek.transpose(1, 2), "k_norm", starts)  # (B, KVH, N, D)
+        ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
+        return ek, ev, starts + c.window - 1
+
+    def _windowed(self, x, q, k, v, pos, cache, start):
+        B, KVH, T, D = k.shape
+        L = self.local
+        keep = cache is not None
+        if not keep:
+            cache = self.new_cache(B, x.dtype, x.device)
+        k_all = torch.cat([cache.raw_k, k], dim=2)  # (B, KVH, L-1+T, D)
+        v_all = torch.cat([cache.raw_v, v], dim=2)
+        k_pos = torch.cat([cache.raw_pos, pos])  # (L-1+T,)
+        vis = Visible(None, None, None)
+        if self.compressor is not None:
+            h = torch.cat([cache.pending_h, x], dim=1)  # (B, P+T, hidden), starts at a window start
+            nk, nv, nend = self.compressed_entries(h, cache.pending_start)
+            cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
+            consumed = nk.shape[2] * self.compressor.stride
+            cache.pending_h, cache.pending_start = h[:, consumed:], cache.pending_start + consumed
+            vis = Visible(cache.entries_k, cache.values(), cache.entries_end)
+            if getattr(self.compressor, "index_topk", 0) and vis.entries_k.shape[2]:
+                ent = vis.entries_k.transpose(1, 2)  # (B, N, KVH, D)
+                vis.index_scores = self.compressor.index_scores(x, ent)
+                vis.index_topk = self.compressor.index_topk
+        cache.raw_k, cache.raw_v, cache.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]
+        if keep:
+            cache.compact()
+        G = self.num_heads // KVH
+        qg = q.view(B, KVH, G, T, D)  # (B, KVH, G, T, D)
+        out = windowed_attention(qg, pos, k_all, v_all, k_pos, L, vis, self.sink, self.tail, self.query_block)
+        return out.reshape(B, self.num_heads, T, D)

@@ -1,0 +1,114 @@
+"""Inference cache that really saves the memory (PAPER.md section 1).
+
+Full layers keep every key and value.  Sliding and compressed layers keep
+  - the raw window: keys/values of the last `local_window - 1` tokens (fixed size; the query's
+    own token completes the window), slots not yet filled carry position -1;
+  - the pending partial window: normalized hidden states from the next window's first token on,
+    at most W + S - 2 tokens, from which the next entries will be compressed;
+  - the compressed entries: one normalized, rotated key per complete window and KV head, and one
+    value unless K/V are tied (tied layers store the value only once, as the key).
+So a compressed layer holds about (local_window + T / S) tokens' worth of K/V at T tokens.
+
+Usage: `cache = KVCache()`, then `model(ids, cache=cache)` repeatedly; `cache.copy()` forks a
+prefilled context (multi-query evaluation), `cache.nbytes()` reports the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class LayerCache:
+    # full attention
+    k: torch.Tensor | None = None  # (B, KVH, P, D)
+    v: torch.Tensor | None = None
+    # sliding / compressed
+    raw_k: torch.Tensor | None = None  # (B, KVH, L-1, D)
+    raw_v: torch.Tensor | None = None
+    raw_pos: torch.Tensor | None = None  # (L-1,), -1 = empty slot
+    pending_h: torch.Tensor | None = None  # (B, P, hidden)
+    pending_start: int = 0
+    entries_k: torch.Tensor | None = None  # (B, KVH, N, D)
+    entries_v: torch.Tensor | None = None  # None when tied
+    entries_end: torch.Tensor | None = None  # (N,)
+
+    @classmethod
+    def empty_windowed(cls, B: int, KVH: int, L: int, D: int, hidden: int, dtype, device) -> LayerCache:
+        return cls(raw_k=torch.zeros(B, KVH, L - 1, D, dtype=dtype, device=device),
+                   raw_v=torch.zeros(B, KVH, L - 1, D, dtype=dtype, device=device),
+                   raw_pos=torch.full((L - 1,), -1, dtype=torch.long, device=device),
+                   pending_h=torch.zeros(B, 0, hidden, dtype=dtype, device=device))
+
+    def append_full(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def add_entries(self, k: torch.Tensor, v: torch.Tensor | None, end: torch.Tensor) -> None:
+        if self.entries_k is None:
+            self.entries_k, self.entries_v, self.entries_end = k, v, end
+            return
+        self.entries_k = torch.cat([self.entries_k, k], dim=2)
+        self.entries_v = None if v is None else torch.cat([self.entries_v, v], dim=2)
+        self.entries_end = torch.cat([self.entries_end, end])
+
+    def values(self) -> torch.Tensor:
+        return self.entries_k if self.entries_v is None else self.entries_v
+
+    def compact(self) -> None:
+        """Own every tensor (no views into a larger activation), so nbytes is what is really held."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and (
+                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+                setattr(self, f.name, value.clone())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+
+class KVCache:
+    """Per-layer caches plus the number of tokens seen."""
+
+    def __init__(self, layers: list[LayerCache] | None = None, length: int = 0):
+        self.layers = layers
+        self.length = length
+
+    def layer(self, i: int, num_layers: int, make) -> LayerCache:
+        """Layer i's cache, created by `make()` on first use."""
+        if self.layers is None:
+            self.layers = [None] * num_layers
+        if self.layers[i] is None:
+            self.layers[i] = make()
+        return self.layers[i]
+
+    def nbytes(self) -> int:
+        """Bytes held by every tensor of the cache."""
+        return sum(t.numel() * t.element_size() for lc in (self.layers or []) if lc for t in lc.tensors())
+
+    def copy(self) -> KVCache:
+        """An independent copy (tensors cloned): continue several queries from one prefilled context."""
+        layers = None
+        if self.layers is not None:
+            layers = []
+            for lc in self.layers:
+                layers.append(LayerCache(**{f.name: _clone(getattr(lc, f.name)) for f in fields(lc)})
+                              if lc else None)
+        return KVCache(layers, self.length)
+
+    def repeat(self, n: int) -> KVCache:
+        """A batch-1 cache repeated n times along the batch (each copy independent)."""
+        out = self.copy()
+        for lc in out.layers or []:
+            for f in fields(lc):
+                value = getattr(lc, f.name)
+                if isinstance(value, torch.Tensor) and f.name not in ("raw_pos", "entries_end"):
+                    setattr(lc, f.name, value.expand(n, *value.shape[1:]).clone())
+        return out
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value

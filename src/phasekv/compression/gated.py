@@ -1,0 +1,131 @@
+"""The paper's gated chunk compressor (PAPER.md section 1) and the per-offset machinery it shares.
+
+For window j and offset i (hidden state h[j,i], separately for the K and V branches):
+
+    s[j,i]     = Z_i h[j,i] + b_i                  gate logits (1 per KV head, or D: vector gates)
+    alpha[j,i] = softmax_i s[j,i]                   over the window's W slots
+    Khat[j]    = sum_i alpha[j,i] * (C_i h[j,i])    per-offset payload map C_i
+
+`OffsetGatedCompressor` evaluates this for any per-offset parameter tensors C (W, hidden, KVH*D),
+Z (W, hidden, KVH*G) and b (W, KVH*G); subclasses only say how those tensors are parameterized
+(one map per offset here, shared maps in the DeepSeek kernels).  Parameters keep the offset on
+their first dimension so that gate cycling (probes) is a roll along dim 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phasekv.compression.base import Compressor, register, windows
+from phasekv.config import ModelConfig
+from phasekv.layers import RMSNorm
+
+BRANCHES = ("k", "v")
+
+
+class OffsetGatedCompressor(Compressor):
+    """Softmax-gated sum of per-offset payloads over each window."""
+
+    def __init__(self, config: ModelConfig, window: int, stride: int, vector_gate: bool, tied: bool,
+                 post_norm: bool):
+        super().__init__()
+        if stride < 1 or stride > window:
+            raise ValueError(f"stride: S={stride} must satisfy 1 <= S <= W={window}")
+        self.window, self.stride, self.tied = window, stride, tied
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.gate_dim = self.head_dim if vector_gate else 1
+        self.branches = BRANCHES[:1] if tied else BRANCHES
+        self.post_norms = nn.ModuleDict(
+            {b: RMSNorm(self.head_dim, config.rms_norm_eps) for b in self.branches} if post_norm else {})
+
+    # subclasses: per-offset parameter views for one branch
+    def maps(self, branch: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(C (W, hidden, KVH*D), Z (W, hidden, KVH*G) or None, b (W, KVH*G) or None); Z None = uniform."""
+        raise NotImplementedError
+
+    def _alpha(self, hw: torch.Tensor, z: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        B, N, W, _ = hw.shape
+        if z is None:  # uniform averaging
+            return hw.new_full((B, N, W, self.num_kv_heads, self.gate_dim), 1.0 / W)
+        logits = torch.einsum("bnwc,wcg->bnwg", hw, z)  # (B, N, W, KVH*G)
+        if b is not None:
+            logits = logits + b
+        logits = logits.view(B, N, W, self.num_kv_heads, self.gate_dim)  # (B, N, W, KVH, G)
+        return torch.softmax(logits.float(), dim=2).to(hw.dtype)
+
+    def gate_weights(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden)
+        out = {}
+        for branch in self.branches:
+            _, z, b = self.maps(branch)
+            out[branch] = self._alpha(hw, z, b)  # (B, N, W, KVH, G)
+        return out
+
+    def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden)
+        B, N, W, _ = hw.shape
+        out = {}
+        for branch in self.branches:
+            c, z, b = self.maps(branch)
+            payload = torch.einsum("bnwc,wcf->bnwf", hw, c)  # (B, N, W, KVH*D)
+            payload = payload.view(B, N, W, self.num_kv_heads, self.head_dim)  # (B, N, W, KVH, D)
+            entry = (self._alpha(hw, z, b) * payload).sum(dim=2)  # (B, N, KVH, D)
+            out[branch] = self._post_norm(branch, entry)
+        return out["k"], out.get("v")
+
+    def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = h.shape
+        W, S, KVH, D, G = self.window, self.stride, self.num_kv_heads, self.head_dim, self.gate_dim
+        n = 0 if T < W else (T - W) // S + 1
+        out = {}
+        for branch in self.branches:
+            c, z, b = self.maps(branch)
+            entries = torch.zeros(B, n, KVH, D, dtype=h.dtype)
+            for bi in range(B):
+                for j in range(n):
+                    scores = torch.zeros(W, KVH, G, dtype=h.dtype)
+                    payloads = torch.zeros(W, KVH, D, dtype=h.dtype)
+                    for i in range(W):
+                        x = h[bi, j * S + i]
+                        payloads[i] = (x @ c[i]).view(KVH, D)
+                        if z is not None:
+                            s = x @ z[i] + (b[i] if b is not None else 0.0)
+                            scores[i] = s.view(KVH, G)
+                    alpha = torch.softmax(scores, dim=0)  # all-zero scores give uniform 1/W
+                    entries[bi, j] = (alpha * payloads).sum(dim=0)
+            out[branch] = self._post_norm(branch, entries)
+        return out["k"], out.get("v")
+
+    def _post_norm(self, branch: str, entry: torch.Tensor) -> torch.Tensor:
+        return self.post_norms[branch](entry) if branch in self.post_norms else entry
+
+
+@register("gated")
+class GatedCompressor(OffsetGatedCompressor):
+    """The paper's kernel: own Z_i, b_i, C_i per offset i, separate K and V branches by default.
+
+    Config fields: window W, stride S (overlap when S < W), gate ("scalar" | "vector"), tied_kv,
+    gate_bias, post_norm, uniform (alpha = 1/W and no gate parameters).
+    """
+
+    def __init__(self, config: ModelConfig):
+        W, S = self.geometry(config)
+        super().__init__(config, W, S, config.gate == "vector", config.tied_kv, config.post_norm)
+        hidden, F = config.hidden_size, self.num_kv_heads * self.head_dim
+        G = self.num_kv_heads * self.gate_dim
+        std = config.initializer_range
+        for branch in self.branches:
+            setattr(self, f"{branch}_payload", nn.Parameter(torch.randn(W, hidden, F) * std))
+            if not config.uniform:
+                setattr(self, f"{branch}_gate", nn.Parameter(torch.randn(W, hidden, G) * std))
+                if config.gate_bias:
+                    setattr(self, f"{branch}_gate_bias", nn.Parameter(torch.zeros(W, G)))
+
+    @staticmethod
+    def geometry(config: ModelConfig) -> tuple[int, int]:
+        return config.window, config.stride
+
+    def maps(self, branch: str):
+        return (getattr(self, f"{branch}_payload"), getattr(self, f"{branch}_gate", None),
+                getattr(self, f"{branch}_gate_bias", None))

@@ -1,0 +1,101 @@
+"""The Qwen3-style decoder (PAPER.md section 2), with Hugging Face parameter names.
+
+RMSNorm pre-norm, per-head RMSNorm on q and k, RoPE (all, part or none of the dims), GQA, SwiGLU,
+optional tied embeddings.  Each layer's attention is full, sliding or compressed
+(`ModelConfig.layer_types`); with every layer "full" the state dict loads into transformers'
+`Qwen3ForCausalLM` unchanged and gives the same logits (tested).
+
+Layout: hidden states (B, T, hidden).  `model(ids)` returns logits (B, T, vocab); with
+`cache=KVCache()` it continues from, and extends, the cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasekv.attention import Attention
+from phasekv.cache import KVCache
+from phasekv.config import ModelConfig
+from phasekv.layers import RMSNorm
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        x = self.embed_tokens(input_ids)  # (B, T, hidden)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            lc = None
+            if cache is not None:
+                attn = layer.self_attn
+                lc = cache.layer(i, n, lambda a=attn: a.new_cache(B, x.dtype, x.device))
+            x = layer(x, lc, start)
+        if cache is not None:
+            cache.length = start + T
+        return self.norm(x)
+
+
+class PhaseKVForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, vocab)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected shape (B, T), got {tuple(input_ids.shape)}")
+        start = cache.length if cache is not None else 0
+        if start + input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids: {start + input_ids.shape[1]} positions exceed "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        return self.lm_head(self.model(input_ids, cache))
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+
+def build_model(config: ModelConfig) -> PhaseKVForCausalLM:
+    """A freshly initialized model for `config`."""
+    return PhaseKVForCausalLM(config)
