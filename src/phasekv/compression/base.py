@@ -58,6 +58,8 @@ def num_windows(length: int, window: int, stride: int) -> int:
 
 def windows(x: torch.Tensor, window: int, stride: int) -> torch.Tensor:
     """All complete windows of `x` (B, T, C) as a strided view (B, N, W, C); no copy."""
+    if x.shape[1] < window:
+        return x.new_zeros(x.shape[0], 0, window, x.shape[2])
     return x.unfold(1, window, stride).transpose(-1, -2)  # (B, N, W, C)
 
 

@@ -1,0 +1,31 @@
+"""Tiny configs shared by the tests."""
+
+from phasekv.config import ModelConfig
+
+# one entry per compressor option combination the test matrix covers
+COMPRESSOR_MATRIX = {
+    "gated-w8s8": dict(compressor="gated", window=8, stride=8),
+    "gated-w8s4": dict(compressor="gated", window=8, stride=4),
+    "gated-w8s6-vector": dict(compressor="gated", window=8, stride=6, gate="vector"),
+    "gated-w4s4-tied": dict(compressor="gated", window=4, stride=4, tied_kv=True),
+    "gated-w8s4-nobias-postnorm": dict(compressor="gated", window=8, stride=4, gate_bias=False, post_norm=True),
+    "gated-w8s8-uniform": dict(compressor="gated", window=8, stride=8, uniform=True),
+    "gated-w8s8-tail": dict(compressor="gated", window=8, stride=8, uncompressed_tail=True),
+    "gated-w8s4-tail-sink": dict(compressor="gated", window=8, stride=4, uncompressed_tail=True, attn_sink=True),
+    "gated-w8s4-deepseekstyle": dict(compressor="gated", window=8, stride=4, gate="vector", tied_kv=True,
+                                     rope_dims=16, rope_part="last"),
+    "gated-w8s8-norope-noqknorm": dict(compressor="gated", window=8, stride=8, rope_dims=0, qk_norm=False),
+    "deepseek_csa": dict(compressor="deepseek_csa", csa_block=4, rope_dims=16, rope_part="last", attn_sink=True),
+    "deepseek_csa-indexer": dict(compressor="deepseek_csa", csa_block=4, index_topk=2),
+    "deepseek_hca": dict(compressor="deepseek_hca", hca_block=8),
+    "deepseek-v4-pattern": dict(compressor="deepseek_csa", num_hidden_layers=4, hca_block=8,
+                                layer_types=["sliding", "sliding", "deepseek_csa", "deepseek_hca"]),
+}
+
+
+def tiny(**overrides) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, local_window=4,
+                max_position_embeddings=512)
+    base.update(overrides)
+    return ModelConfig(**base)

@@ -1,0 +1,57 @@
+"""Prefill + token-by-token decode == one full forward; cache bytes scale like (L + T/S) / T."""
+
+import pytest
+import torch
+
+from phasekv import build_model
+from phasekv.cache import KVCache
+from tests.helpers import COMPRESSOR_MATRIX, tiny
+
+CASES = {"full": dict(), "sliding": dict(layer_types=["sliding", "full"]), **COMPRESSOR_MATRIX}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_prefill_then_decode_equals_full_forward(name):
+    torch.manual_seed(0)
+    model = build_model(tiny(**CASES[name])).eval()
+    ids = torch.randint(0, 64, (2, 41))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        pieces = [model(ids[:, :13], cache=cache)]
+        pieces += [model(ids[:, t:t + 1], cache=cache) for t in range(13, 30)]
+        pieces.append(model(ids[:, 30:], cache=cache))  # a multi-token chunk on a warm cache
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 41
+
+
+def test_cache_copy_is_independent():
+    torch.manual_seed(0)
+    model = build_model(tiny(compressor="gated", window=4, stride=4)).eval()
+    ids = torch.randint(0, 64, (1, 21))
+    with torch.no_grad():
+        cache = KVCache()
+        model(ids[:, :20], cache=cache)
+        fork = cache.copy()
+        a = model(ids[:, 20:], cache=fork)
+        b = model(ids[:, 20:], cache=cache.copy())
+        many = model(ids[:, 20:].repeat(3, 1), cache=cache.repeat(3))
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(many, a.repeat(3, 1, 1))
+    assert cache.length == 20
+
+
+@pytest.mark.parametrize("window, stride", [(8, 8), (8, 4)])
+def test_cache_bytes_follow_local_window_plus_entries(window, stride):
+    torch.manual_seed(0)
+    T, L = 1024, 16
+    kw = dict(local_window=L, max_position_embeddings=T)
+    sizes = {}
+    for name, extra in (("full", dict()), ("comp", dict(compressor="gated", window=window, stride=stride))):
+        model = build_model(tiny(**kw, **extra)).eval()
+        cache = KVCache()
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, T)), cache=cache)
+        sizes[name] = cache.nbytes()
+    expected = (L + T / stride) / T
+    assert sizes["comp"] / sizes["full"] == pytest.approx(expected, rel=0.15)

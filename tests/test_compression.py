@@ -1,0 +1,88 @@
+"""Every compressor: fast path == slow reference; no future leakage; entries invisible until complete."""
+
+import pytest
+import torch
+
+from phasekv import build_model
+from phasekv.compression import available, build, num_windows
+from tests.helpers import COMPRESSOR_MATRIX, tiny
+
+
+def test_every_registered_compressor_is_in_the_matrix():
+    covered = {cfg["compressor"] for cfg in COMPRESSOR_MATRIX.values()}
+    assert covered == set(available())
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSOR_MATRIX))
+def test_fast_equals_reference(name):
+    torch.manual_seed(0)
+    config = tiny(**COMPRESSOR_MATRIX[name])
+    comp = build(config, config.compressor)
+    with torch.no_grad():
+        for p in comp.parameters():  # non-trivial gates and norms
+            p.normal_(0, 0.5)
+        h = torch.randn(2, 3 * comp.window + comp.stride + 1, config.hidden_size)
+        fast_k, fast_v = comp.compress(h)
+        ref_k, ref_v = comp.compress_reference(h)
+    assert fast_k.shape == (2, num_windows(h.shape[1], comp.window, comp.stride), 2, 16)
+    torch.testing.assert_close(fast_k, ref_k, rtol=1e-5, atol=1e-5)
+    if comp.tied:
+        assert fast_v is None and ref_v is None
+    else:
+        torch.testing.assert_close(fast_v, ref_v, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_weights_are_distributions_and_uniform_is_flat():
+    torch.manual_seed(0)
+    for overrides, flat in ((dict(compressor="gated", gate="vector"), False),
+                            (dict(compressor="gated", uniform=True), True)):
+        comp = build(tiny(**overrides), "gated")
+        alpha = comp.gate_weights(torch.randn(1, 24, 32))
+        for a in alpha.values():
+            torch.testing.assert_close(a.sum(dim=2), torch.ones_like(a.sum(dim=2)))
+            if flat:
+                torch.testing.assert_close(a, torch.full_like(a, 1 / 8))
+
+
+def test_stride_larger_than_window_is_rejected():
+    with pytest.raises(ValueError, match="stride"):
+        tiny(compressor="gated", window=4, stride=8)
+    with pytest.raises(ValueError, match="stride"):
+        tiny(compressor="gated", window=4, stride=0)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSOR_MATRIX))
+def test_no_future_leakage(name):
+    """Changing the token at position p leaves every logit at positions < p unchanged."""
+    torch.manual_seed(0)
+    config = tiny(**COMPRESSOR_MATRIX[name])
+    model = build_model(config).eval()
+    W = max(build(config, k).window for k in config.layer_types if k not in ("full", "sliding")) \
+        if config.compressed_layers else 8
+    T = 3 * W + 3
+    ids = torch.randint(0, config.vocab_size, (1, T))
+    with torch.no_grad():
+        base = model(ids)
+        changed = ids.clone().repeat(T, 1)
+        for p in range(T):  # row p changes only token p
+            changed[p, p] = (ids[0, p] + 1 + p) % config.vocab_size
+        out = model(changed)
+    for p in range(T):
+        torch.testing.assert_close(out[p, :p], base[0, :p], rtol=0, atol=1e-5)
+        assert not torch.allclose(out[p, p:], base[0, p:], atol=1e-6)  # the change is seen at p
+
+
+@pytest.mark.parametrize("stride", [4, 8])
+def test_entry_invisible_until_window_complete(stride):
+    """With a local window of 1, a query only sees itself and complete entries: the first token
+    can influence position t only once the first window (ending at W-1) is complete."""
+    torch.manual_seed(0)
+    config = tiny(compressor="gated", window=8, stride=stride, local_window=1, num_hidden_layers=1)
+    model = build_model(config).eval()
+    ids = torch.randint(0, 64, (1, 20))
+    other = ids.clone()
+    other[0, 0] = (ids[0, 0] + 5) % 64
+    with torch.no_grad():
+        diff = (model(ids) - model(other)).abs().amax(-1)[0]
+    assert torch.all(diff[1:7] == 0)  # window 0 = positions 0..7 not complete before t = 7
+    assert torch.all(diff[7:] > 0)
