@@ -60,8 +60,7 @@ class Qwen3Model(nn.Module):
         for i, layer in enumerate(self.layers):
             lc = None
             if cache is not None:
-                attn = layer.self_attn
-                lc = cache.layer(i, n, lambda a=attn: a.new_cache(B, x.dtype, x.device))
+                lc = cache.layer(i, n, lambda a=layer.self_attn, d=x.dtype, dev=x.device: a.new_cache(B, d, dev))
             x = layer(x, lc, start)
         if cache is not None:
             cache.length = start + T

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phasekv.compression.gated import OffsetGatedCompressor
 from phasekv.compression.base import register
+from phasekv.compression.gated import OffsetGatedCompressor
 from phasekv.config import ModelConfig
 
 
