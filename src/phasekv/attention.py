@@ -81,20 +81,22 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
         ok_local = kp >= 0
         if tail is not None:
             ok_local = ok_local & (kp >= tail_start(pos, *tail)[:, None])
-        logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl) * scale]  # (B, KVH, G, nb, L)
-        masks = [ok_local[None, None, None].expand(B, KVH, G, -1, -1)]
+        logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl)]  # (B, KVH, G, nb, L)
+        masks = [ok_local[None]]  # (1, nb, L): masks depend on (batch, query, key), never on the head
         n = int((vis.entries_end <= pos[-1]).sum()) if n_total else 0  # entries any query here sees
         if n:
             ek = vis.entries_k[:, :, :n]
-            logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek) * scale)  # (B, KVH, G, nb, n)
+            logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek))  # (B, KVH, G, nb, n)
             sub = Visible(vis.entries_k, vis.entries_v, vis.entries_end,
                           None if vis.index_scores is None else vis.index_scores[:, a:b], vis.index_topk)
-            masks.append(_entry_mask(sub, pos, n)[:, None, None].expand(B, KVH, G, -1, -1))
+            masks.append(_entry_mask(sub, pos, n))  # (1 or B, nb, n)
         if sink is not None:
-            logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype))
-            masks.append(torch.ones(B, KVH, G, b - a, 1, dtype=torch.bool))
-        scores = torch.cat(logits, dim=-1).masked_fill(~torch.cat(masks, dim=-1), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype) / scale)
+            masks.append(torch.ones(1, b - a, 1, dtype=torch.bool))
+        width = max(m.shape[0] for m in masks)
+        mask = torch.cat([m.expand(width, -1, -1) for m in masks], dim=-1)[:, None, None]  # (B|1, 1, 1, nb, M)
+        scores = (torch.cat(logits, dim=-1) * scale).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         res = torch.einsum("bkgtl,bktdl->bkgtd", probs[..., :local], vl)
         if n:
             res = res + torch.einsum("bkgtn,bknd->bkgtd", probs[..., local:local + n], vis.entries_v[:, :, :n])

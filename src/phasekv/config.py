@@ -69,7 +69,7 @@ class ModelConfig:
     local_window: int = 16  # raw tokens each query sees exactly (itself included)
     uncompressed_tail: bool = False  # raw tokens = only those not yet in a complete window
     attn_sink: bool = False  # learned per-head logit in the softmax denominator
-    query_block: int = 1024  # queries per block in the block-wise compressed attention
+    query_block: int = 128  # queries per block in the block-wise compressed attention
 
     def __post_init__(self) -> None:
         from phasekv.compression import available

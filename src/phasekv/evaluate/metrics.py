@@ -1,0 +1,321 @@
+"""Statistics of the phase-sensitivity evaluation (PAPER.md sections 3 and 6).
+
+Input: one record per prompt with `cluster` (id of the logical example that is shown at several
+shifts), `target_position` (absolute token position of the target key, counting every filler and
+special token) and `correct` (full-vocabulary top-1 hit, computed elsewhere).  Prompts are grouped
+by residue = position mod R and by phase = position mod S; R must be a multiple of S, so the phase
+curve is the residue curve folded mod S.
+
+What `summarize` computes, and why:
+
+* Per group: accuracy and a Wilson 95% interval.  Weak phases of compressed models sit near 0%,
+  where the Wald interval collapses to a point; Wilson keeps its coverage there.
+* `mean_accuracy`: the mean of the per-residue accuracies, i.e. the height of the residue curve
+  (equal to the prompt-level mean when the groups have equal size, as both protocols make them).
+* `max_gap_pp`: best minus worst residue group in percentage points (the paper's phase gap);
+  `phase_gap_pp`: the same over the phases mod S.
+* Cluster bootstrap (PAPER.md section 3): the prompts of one logical example are correlated (an
+  easy example is right at every shift), so the resampling unit is the cluster.  95% percentile
+  intervals for the mean and both gaps.  The max-minus-min gap is biased upward by noise (the range
+  of R noisy estimates is positive even for a flat truth), so `gap_ci_pp` says how precisely the
+  observed gap is measured; it is not a test of "no phase effect".  The same bias shifts the
+  percentile interval itself upward (bootstrap replicates add their own noise to the range): in
+  simulation it can miss both the true gap and the observed one.  `gap_ci_basic_pp` is therefore
+  given beside it: the basic bootstrap interval [2 g - q97.5, 2 g - q2.5] (clipped to [0, 100]),
+  which subtracts the bootstrap estimate of that bias.  The test of "no phase effect" is:
+* `flatness_p`: a cluster-aware permutation test of H0 "accuracy is the same in every residue
+  group".  Statistic: Pearson's chi-square of the R x 2 table.  Reference distribution: residue
+  labels shuffled within each cluster, and label sets swapped between clusters of equal size.  Under
+  H0 (and positions assigned independently of the example's content, as the protocols do) every
+  such relabelling is equally likely, whatever the correlation inside a cluster, so the p-value is
+  exact up to Monte Carlo error.  The textbook chi-square test assumes independent prompts: it is
+  conservative when every cluster covers all residues (cluster effects cancel between groups) and
+  anti-conservative when a cluster's prompts share a residue.  With singleton clusters the test
+  reduces to the plain permutation chi-square test.  `null_gap_p95_pp` is the 95th percentile of
+  the gap under the same relabellings: the gap that noise alone exceeds 5% of the time.
+* `detected_period`: for every divisor d of R, the model "accuracy depends on residue mod d only"
+  (d free accuracies, the residue groups pooled mod d) is fit by binomial maximum likelihood and
+  scored with BIC = -2 log L + d log N (N prompts).  The divisor with the lowest BIC wins; ties go
+  to the smaller d.  A period-4 curve is also fit exactly by d = 8, 12, 24, but those pay for their
+  extra parameters, so the smallest period that explains the curve wins; d = 1 (flat) wins for
+  noise; a curve that fails at one phase of S = 8 gives 8, because folding mod 4 would merge the
+  failing phase with a good one.  BIC's log N penalty makes a false period on a flat curve rare
+  (P(chi2_1 > log 4800) < 0.4% for the nearest alternative).  `period_scores` reports BIC(d) minus
+  the best BIC (0 for the winner; > 10 is strong evidence against d).  The likelihood treats
+  prompts as independent; the cluster-aware statement of "any phase effect at all" is `flatness_p`.
+* `position_matching`: per residue group the mean and variance (ddof 0) of the target position,
+  the largest absolute difference of group means and the largest relative difference of group
+  variances, (max - min) / mean of the group variances.  The protocols match both so that depth
+  effects cannot masquerade as phase effects; these numbers check that they did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+from scipy.special import xlogy
+from scipy.stats import norm
+
+FIELDS = ("cluster", "target_position", "correct")
+_CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
+
+Records = Sequence[Mapping] | Mapping[str, ArrayLike]
+
+
+def wilson_interval(k: ArrayLike, n: ArrayLike, confidence: float = 0.95):
+    """Wilson score interval for a binomial proportion k / n.
+
+    The bounds are the two proportions p at which the score test |k/n - p| / sqrt(p(1-p)/n) equals
+    the normal quantile z; exactly 0 for k = 0 and exactly 1 for k = n.  Accepts scalars (returns
+    two floats) or arrays of equal shape (returns two arrays).
+    """
+    k_arr, n_arr = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    if np.any(n_arr <= 0) or np.any(k_arr < 0) or np.any(k_arr > n_arr):
+        raise ValueError("wilson_interval needs 0 <= k <= n and n > 0")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    z2 = norm.ppf(0.5 + confidence / 2) ** 2
+    p = k_arr / n_arr
+    denom = 1 + z2 / n_arr
+    center = (p + z2 / (2 * n_arr)) / denom
+    half = np.sqrt(z2 * p * (1 - p) / n_arr + z2 * z2 / (4 * n_arr**2)) / denom
+    low = np.where(k_arr == 0, 0.0, np.clip(center - half, 0.0, 1.0))
+    high = np.where(k_arr == n_arr, 1.0, np.clip(center + half, 0.0, 1.0))
+    if low.ndim == 0:
+        return float(low), float(high)
+    return low, high
+
+
+def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
+    """The divisor d of R = len(k) that best explains the residue curve k / n (BIC, see module doc).
+
+    k[r], n[r]: correct and total prompts of residue group r (all n[r] > 0).  Returns the chosen
+    period and, per divisor, BIC(d) - min BIC (0 for the chosen one; larger is worse).
+    """
+    k_arr, n_arr = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    if k_arr.ndim != 1 or k_arr.shape != n_arr.shape or np.any(n_arr <= 0):
+        raise ValueError("detect_period needs 1-D k and n of equal length with every n > 0")
+    R = len(k_arr)
+    log_n = np.log(n_arr.sum())
+    bic = {}
+    for d in _divisors(R):
+        kd, nd = k_arr.reshape(R // d, d).sum(0), n_arr.reshape(R // d, d).sum(0)  # pooled mod d
+        theta = kd / nd
+        log_lik = np.sum(xlogy(kd, theta) + xlogy(nd - kd, 1 - theta))
+        bic[d] = float(-2 * log_lik + d * log_n)
+    best = min(bic.values())
+    period = min(d for d, b in bic.items() if b <= best + 1e-9 * max(1.0, abs(best)))
+    return period, {d: b - best for d, b in bic.items()}
+
+
+def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,
+              seed: int = 0, n_perm: int = 2000) -> dict:
+    """All statistics of one evaluation as a JSON-ready dict of plain Python values.
+
+    records: a sequence of mappings, or a mapping of parallel arrays, with at least the fields
+    `cluster`, `target_position`, `correct`.  The bootstrap and the permutation test draw from
+    independent streams spawned from `seed`, so the same input and seed give identical output.
+    Raises ValueError for bad fields, a modulus that is not a multiple of the stride, or empty
+    residue groups.
+    """
+    if not isinstance(stride, int | np.integer) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    if not isinstance(residue_modulus, int | np.integer) or residue_modulus < 1 or residue_modulus % stride:
+        raise ValueError(f"residue_modulus must be a positive multiple of stride={stride}, "
+                         f"got {residue_modulus!r}")
+    for name, value in (("n_boot", n_boot), ("n_perm", n_perm)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    R, S = int(residue_modulus), int(stride)
+    cluster, position, correct = _columns(records)
+    residue = position % R
+    k, n = _group_counts(residue, correct, R)
+    empty = np.flatnonzero(n == 0)
+    if len(empty):
+        raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
+    cluster_ids, cluster_idx = np.unique(cluster, return_inverse=True)
+    boot_rng, perm_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+
+    mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
+    kc = _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R)
+    boot = _cluster_bootstrap(kc[0].reshape(-1, R), kc[1].reshape(-1, R), S, n_boot, boot_rng)
+    flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
+    period, scores = detect_period(k, n)
+    k_phase, n_phase = k.reshape(R // S, S).sum(0), n.reshape(R // S, S).sum(0)
+    acc, acc_phase = k / n, k_phase / n_phase
+    return {
+        "stride": S,
+        "residue_modulus": R,
+        "n_prompts": len(correct),
+        "n_clusters": len(cluster_ids),
+        "mean_accuracy": mean,
+        "mean_ci": _percentile_ci(boot[0]),
+        "max_gap_pp": gap,
+        "gap_ci_pp": _percentile_ci(boot[1]),
+        "phase_gap_pp": phase_gap,
+        "phase_gap_ci_pp": _percentile_ci(boot[2]),
+        "gap_ci_basic_pp": _basic_gap_ci(gap, boot[1]),
+        "phase_gap_ci_basic_pp": _basic_gap_ci(phase_gap, boot[2]),
+        "best_residue": int(np.argmax(acc)),
+        "worst_residue": int(np.argmin(acc)),
+        "best_phase": int(np.argmax(acc_phase)),
+        "worst_phase": int(np.argmin(acc_phase)),
+        "detected_period": period,
+        "period_criterion": "BIC of binomial model with accuracy depending on residue mod d",
+        "period_scores": {str(d): s for d, s in scores.items()},
+        "flatness_p": flat_p,
+        "flatness_test": "cluster permutation test, Pearson chi-square statistic of the residue x correct table",
+        "null_gap_p95_pp": null_gap95,
+        "n_boot": int(n_boot),
+        "n_perm": int(n_perm),
+        "seed": int(seed),
+        "per_residue": _group_rows("residue", k, n),
+        "per_phase": _group_rows("phase", k_phase, n_phase),
+        "position_matching": _position_matching(position, residue, R),
+    }
+
+
+def _columns(records: Records) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cluster, target_position as int64, correct as float 0/1) from either record layout."""
+    if isinstance(records, Mapping):
+        missing = [f for f in FIELDS if f not in records]
+        cols = {} if missing else {f: np.asarray(records[f]) for f in FIELDS}
+    else:
+        missing = sorted({f for r in records for f in FIELDS if f not in r}, key=FIELDS.index)
+        cols = {} if missing else {f: np.asarray([r[f] for r in records]) for f in FIELDS}
+    if missing:
+        raise ValueError(f"records lack the field(s) {missing}; each needs {list(FIELDS)}")
+    lengths = {len(c) for c in cols.values()}
+    if lengths != {len(cols["correct"])} or cols["correct"].ndim != 1:
+        raise ValueError(f"fields {list(FIELDS)} must be 1-D and of equal length")
+    if len(cols["correct"]) == 0:
+        raise ValueError("records is empty")
+    position = cols["target_position"]
+    if not np.issubdtype(position.dtype, np.number) or np.any(position < 0) or np.any(position % 1):
+        raise ValueError("target_position must hold non-negative integers")
+    correct = cols["correct"]
+    if not np.all((correct == 0) | (correct == 1)):
+        raise ValueError("correct must hold booleans (or 0/1)")
+    return cols["cluster"], position.astype(np.int64), correct.astype(float)
+
+
+def _group_counts(group: np.ndarray, correct: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Correct and total prompts per group id in 0..n_groups-1 (float arrays of exact integers)."""
+    k = np.bincount(group, weights=correct, minlength=n_groups)
+    n = np.bincount(group, minlength=n_groups).astype(float)
+    return k, n
+
+
+def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean of the residue curve, residue gap and phase gap (pp) from counts of shape (..., R).
+
+    Groups with n = 0 (possible only in a bootstrap replicate) are left out of mean and gaps.
+    """
+    acc = np.divide(k, n, out=np.full(k.shape, np.nan), where=n > 0)
+    phase_shape = (*k.shape[:-1], k.shape[-1] // stride, stride)
+    k_phase, n_phase = k.reshape(phase_shape).sum(-2), n.reshape(phase_shape).sum(-2)
+    acc_phase = np.divide(k_phase, n_phase, out=np.full(k_phase.shape, np.nan), where=n_phase > 0)
+    gap = 100 * (np.nanmax(acc, -1) - np.nanmin(acc, -1))
+    phase_gap = 100 * (np.nanmax(acc_phase, -1) - np.nanmin(acc_phase, -1))
+    return np.nanmean(acc, -1), gap, phase_gap
+
+
+def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Replicates of (mean, gap, phase gap) with clusters resampled with replacement.
+
+    kc, nc: (C, R) correct / total counts per cluster and residue.  A replicate draws C clusters
+    with replacement; its counts are the multiplicity-weighted sums of the clusters' counts.
+    """
+    C = kc.shape[0]
+    chunk = max(1, _CHUNK_ELEMENTS // C)
+    parts = []
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        draws = rng.integers(0, C, size=(b, C))
+        weights = np.bincount((draws + C * np.arange(b)[:, None]).ravel(), minlength=b * C)
+        weights = weights.reshape(b, C).astype(float)  # (b, C) multiplicity of each cluster
+        parts.append(_curve_stats(weights @ kc, weights @ nc, stride))
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Pearson chi-square of the groups x {correct, wrong} table, counts of shape (..., G)."""
+    p = k.sum(-1, keepdims=True) / n.sum(-1, keepdims=True)
+    var = n * p * (1 - p)
+    terms = np.divide((k - n * p) ** 2, var, out=np.zeros(np.broadcast_shapes(k.shape, var.shape)),
+                      where=var > 0)
+    return terms.sum(-1)
+
+
+def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, R: int, stride: int,
+                   n_perm: int, rng: np.random.Generator) -> tuple[float, float]:
+    """Cluster permutation p-value of "accuracy equal in all residue groups", and the null gap p95.
+
+    Each relabelling gives every cluster the residue labels of a random cluster of the same size
+    (between-cluster swap) in random order (within-cluster shuffle).  Group sizes stay fixed, so
+    only the correct counts change.  p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm).
+    """
+    k, n = _group_counts(residue, correct, R)
+    observed = _chi_square(k, n)
+    order = np.argsort(cluster_idx, kind="stable")
+    sizes = np.bincount(cluster_idx)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    labels, hits = residue[order], correct[order]
+    classes = []  # per cluster size s: (m, s) residue labels and correctness of its m clusters
+    for s in np.unique(sizes[sizes > 0]):
+        rows = starts[sizes == s][:, None] + np.arange(s)
+        classes.append((labels[rows], hits[rows]))
+    chunk = max(1, _CHUNK_ELEMENTS // len(correct))
+    stats, gaps = [], []
+    for start in range(0, n_perm, chunk):
+        b = min(chunk, n_perm - start)
+        k_perm = np.zeros((b, R))
+        for lab, hit in classes:
+            m = lab.shape[0]
+            swapped = lab[rng.permuted(np.tile(np.arange(m), (b, 1)), axis=1)]  # (b, m, s)
+            shuffled = rng.permuted(swapped, axis=2)
+            flat = (shuffled + R * np.arange(b)[:, None, None]).ravel()
+            k_perm += np.bincount(flat, weights=np.broadcast_to(hit, shuffled.shape).ravel(),
+                                  minlength=b * R).reshape(b, R)
+        stats.append(_chi_square(k_perm, n))
+        gaps.append(_curve_stats(k_perm, np.broadcast_to(n, k_perm.shape), stride)[1])
+    stats = np.concatenate(stats)
+    exceed = np.count_nonzero(stats >= observed - 1e-9 * max(1.0, observed))
+    return float((1 + exceed) / (1 + n_perm)), float(np.percentile(np.concatenate(gaps), 95))
+
+
+def _percentile_ci(samples: np.ndarray) -> list[float]:
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def _basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:
+    """Basic bootstrap interval of a gap in pp: reflects the percentiles around the estimate."""
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return [float(max(0.0, 2 * observed - high)), float(min(100.0, 2 * observed - low))]
+
+
+def _group_rows(key: str, k: np.ndarray, n: np.ndarray) -> list[dict]:
+    low, high = wilson_interval(k, n)
+    return [{key: g, "accuracy": float(k[g] / n[g]), "ci_low": float(low[g]), "ci_high": float(high[g]),
+             "n": int(n[g]), "n_correct": int(k[g])} for g in range(len(k))]
+
+
+def _position_matching(position: np.ndarray, residue: np.ndarray, R: int) -> dict:
+    pos = position.astype(float)
+    means = np.array([pos[residue == r].mean() for r in range(R)])
+    variances = np.array([pos[residue == r].var() for r in range(R)])
+    mean_var = variances.mean()
+    return {
+        "per_residue": [{"residue": r, "mean": float(means[r]), "variance": float(variances[r])}
+                        for r in range(R)],
+        "max_abs_mean_diff": float(means.max() - means.min()),
+        "max_rel_var_diff": float((variances.max() - variances.min()) / mean_var) if mean_var > 0 else 0.0,
+    }
+
+
+def _divisors(R: int) -> list[int]:
+    return [d for d in range(1, R + 1) if R % d == 0]

@@ -1,0 +1,123 @@
+"""Figures of the phase-sensitivity evaluation: accuracy by residue (PAPER.md sections 3 and 6).
+
+Both functions read the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json
+contract), draw with matplotlib's Agg canvas directly (no pyplot, so no global backend switch and
+no open figures left behind) and write a PNG (or any format the file suffix names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
+
+_REQUIRED = ("stride", "residue_modulus", "mean_accuracy", "max_gap_pp", "per_residue")
+
+
+def plot_accuracy_by_residue(metrics: dict, path: str | Path, title: str | None = None) -> Path:
+    """One model's accuracy by residue with Wilson 95% error bars; returns the written path.
+
+    Marks the phase boundaries (multiples of S), the mean, the best and the worst residue group and
+    the gap between them with its bootstrap interval; the top axis shows the phase (residue mod S).
+    """
+    x, acc, err, S, R = _curve(metrics)
+    fig, ax = _new_axes(R, S)
+    ax.errorbar(x, acc, yerr=err, fmt="o-", color="C0", ms=4, lw=1.2, capsize=3, label="accuracy (Wilson 95%)")
+    mean = 100 * metrics["mean_accuracy"]
+    ax.axhline(mean, color="0.3", ls="--", lw=1, label=f"mean {mean:.1f}%")
+    best, worst = int(np.argmax(acc)), int(np.argmin(acc))
+    ax.plot(best, acc[best], "^", color="C2", ms=10, label=f"best: residue {best} ({acc[best]:.1f}%)")
+    ax.plot(worst, acc[worst], "v", color="C3", ms=10, label=f"worst: residue {worst} ({acc[worst]:.1f}%)")
+    ax.hlines(acc[best], best, worst, color="C2", ls=":", lw=1)
+    ax.annotate("", xy=(worst, acc[best]), xytext=(worst, acc[worst]),
+                arrowprops=dict(arrowstyle="<->", color="C3", lw=1.2))
+    gap_text = f"gap {metrics['max_gap_pp']:.1f} pp"
+    if "gap_ci_pp" in metrics:
+        lo, hi = metrics["gap_ci_pp"]
+        gap_text += f"\n95% CI [{lo:.1f}, {hi:.1f}]"
+    side = "left" if worst < R - 4 else "right"
+    ax.annotate(gap_text, xy=(worst, (acc[best] + acc[worst]) / 2), xytext=(8 if side == "left" else -8, 0),
+                textcoords="offset points", ha=side, va="center", fontsize=9, color="C3")
+    facts = [f"n = {metrics['n_prompts']} prompts"] if "n_prompts" in metrics else []
+    if "detected_period" in metrics:
+        facts.append(f"detected period {metrics['detected_period']}")
+    if "flatness_p" in metrics:
+        facts.append(f"flatness p = {metrics['flatness_p']:.3g}")
+    if facts:
+        ax.text(0.01, 0.02, ", ".join(facts), transform=ax.transAxes, fontsize=8, color="0.3")
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.set_title(title or f"Top-1 accuracy by target position mod {R} (stride S = {S})")
+    return _save(fig, path)
+
+
+def plot_residue_curves(curves: dict[str, dict], path: str | Path, title: str | None = None) -> Path:
+    """Several models' residue curves on one figure (name -> metrics dict); returns the written path.
+
+    All curves must share the residue modulus.  Phase boundaries are drawn when all share the
+    stride; the legend gives each model's mean and gap.  Curves are offset slightly along x so
+    that their error bars stay apart.
+    """
+    if not curves:
+        raise ValueError("curves is empty: give at least one name -> metrics entry")
+    parsed = {name: _curve(m) for name, m in curves.items()}
+    moduli = {p[4] for p in parsed.values()}
+    if len(moduli) != 1:
+        raise ValueError(f"all curves need the same residue_modulus, got {sorted(moduli)}")
+    strides = {p[3] for p in parsed.values()}
+    R = moduli.pop()
+    fig, ax = _new_axes(R, strides.pop() if len(strides) == 1 else None)
+    width = 0.3
+    for i, (name, (x, acc, err, S, _)) in enumerate(parsed.items()):
+        dx = width * (i / max(1, len(parsed) - 1) - 0.5) if len(parsed) > 1 else 0.0
+        m = curves[name]
+        label = f"{name} (S={S}): mean {100 * m['mean_accuracy']:.1f}%, gap {m['max_gap_pp']:.1f} pp"
+        ax.errorbar(x + dx, acc, yerr=err, fmt="o-", color=f"C{i % 10}", ms=3, lw=1.1, capsize=2,
+                    label=label)
+    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    ax.set_title(title or f"Top-1 accuracy by target position mod {R}")
+    return _save(fig, path)
+
+
+def _curve(metrics: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(residues, accuracy %, Wilson error bars % of shape (2, R), stride, modulus) from a metrics dict."""
+    missing = [k for k in _REQUIRED if k not in metrics]
+    if missing:
+        raise ValueError(f"metrics dict lacks {missing}; pass the output of metrics.summarize")
+    rows = sorted(metrics["per_residue"], key=lambda r: r["residue"])
+    x = np.array([r["residue"] for r in rows])
+    acc = 100 * np.array([r["accuracy"] for r in rows])
+    low, high = 100 * np.array([r["ci_low"] for r in rows]), 100 * np.array([r["ci_high"] for r in rows])
+    err = np.stack([acc - low, high - acc]).clip(min=0)  # (2, R) below / above
+    return x, acc, err, int(metrics["stride"]), int(metrics["residue_modulus"])
+
+
+def _new_axes(R: int, stride: int | None):
+    """Figure with residue x axis, percent y axis, phase boundaries and a phase axis on top."""
+    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_xlim(-0.7, R - 0.3)
+    ax.set_ylim(0, 105)
+    ax.yaxis.set_major_formatter(PercentFormatter(100))
+    ax.set_xticks(range(R))
+    ax.set_xlabel(f"residue = target key position mod {R}")
+    ax.set_ylabel("top-1 accuracy")
+    ax.grid(axis="y", alpha=0.3)
+    if stride is not None:
+        for boundary in range(stride, R, stride):
+            ax.axvline(boundary - 0.5, color="0.5", ls=":", lw=1)
+        top = ax.twiny()
+        top.set_xlim(ax.get_xlim())
+        top.set_xticks(range(R), [str(r % stride) for r in range(R)], fontsize=7)
+        top.set_xlabel(f"phase = position mod {stride} (dotted lines: window boundaries)", fontsize=8)
+    return fig, ax
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
