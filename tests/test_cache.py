@@ -35,10 +35,15 @@ def test_cache_copy_is_independent():
         fork = cache.copy()
         a = model(ids[:, 20:], cache=fork)
         b = model(ids[:, 20:], cache=cache.copy())
-        many = model(ids[:, 20:].repeat(3, 1), cache=cache.repeat(3))
+        many = model(ids[:, 20:].repeat(3, 1), cache=cache.repeat_interleave(3))
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(many, a.repeat(3, 1, 1))
     assert cache.length == 20
+    with torch.no_grad():  # two contexts, each continued twice, context-major order
+        pair = KVCache()
+        model(ids[:, :20].repeat(2, 1), cache=pair)
+        rows = model(ids[:, 20:].repeat(4, 1), cache=pair.repeat_interleave(2))
+    torch.testing.assert_close(rows, a.repeat(4, 1, 1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window, stride", [(8, 8), (8, 4)])

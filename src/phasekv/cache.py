@@ -99,14 +99,15 @@ class KVCache:
                               if lc else None)
         return KVCache(layers, self.length)
 
-    def repeat(self, n: int) -> KVCache:
-        """A batch-1 cache repeated n times along the batch (each copy independent)."""
+    def repeat_interleave(self, n: int) -> KVCache:
+        """Each of the B cached contexts repeated n times along the batch (row b*n + i is context b),
+        as an independent cache; the original is untouched."""
         out = self.copy()
         for lc in out.layers or []:
             for f in fields(lc):
                 value = getattr(lc, f.name)
                 if isinstance(value, torch.Tensor) and f.name not in ("raw_pos", "entries_end"):
-                    setattr(lc, f.name, value.expand(n, *value.shape[1:]).clone())
+                    setattr(lc, f.name, value.repeat_interleave(n, dim=0))
         return out
 
 

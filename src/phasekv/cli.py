@@ -14,6 +14,7 @@ import sys
 
 COMMAND_MODULES = [
     "phasekv.demo",
+    "phasekv.train",
 ]
 
 

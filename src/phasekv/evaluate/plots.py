@@ -21,7 +21,8 @@ def plot_accuracy_by_residue(metrics: dict, path: str | Path, title: str | None 
     """One model's accuracy by residue with Wilson 95% error bars; returns the written path.
 
     Marks the phase boundaries (multiples of S), the mean, the best and the worst residue group and
-    the gap between them with its bootstrap interval; the top axis shows the phase (residue mod S).
+    the gap between them with its bootstrap interval (and the cross-fitted gap when present); the
+    top axis shows the phase (residue mod S).  The legend sits below the axes so it hides no data.
     """
     x, acc, err, S, R = _curve(metrics)
     fig, ax = _new_axes(R, S)
@@ -32,23 +33,21 @@ def plot_accuracy_by_residue(metrics: dict, path: str | Path, title: str | None 
     ax.plot(best, acc[best], "^", color="C2", ms=10, label=f"best: residue {best} ({acc[best]:.1f}%)")
     ax.plot(worst, acc[worst], "v", color="C3", ms=10, label=f"worst: residue {worst} ({acc[worst]:.1f}%)")
     ax.hlines(acc[best], best, worst, color="C2", ls=":", lw=1)
+    gap_text = f"gap (best - worst) {metrics['max_gap_pp']:.1f} pp"
+    if "gap_ci_pp" in metrics:
+        gap_text += " [{:.1f}, {:.1f}]".format(*metrics["gap_ci_pp"])
+    if metrics.get("gap_crossfit_pp") is not None:
+        gap_text += f"; cross-fitted {metrics['gap_crossfit_pp']:.1f} pp"
+    ax.vlines(worst, acc[worst], acc[best], color="C3", lw=1.2, label=gap_text)
     ax.annotate("", xy=(worst, acc[best]), xytext=(worst, acc[worst]),
                 arrowprops=dict(arrowstyle="<->", color="C3", lw=1.2))
-    gap_text = f"gap {metrics['max_gap_pp']:.1f} pp"
-    if "gap_ci_pp" in metrics:
-        lo, hi = metrics["gap_ci_pp"]
-        gap_text += f"\n95% CI [{lo:.1f}, {hi:.1f}]"
-    side = "left" if worst < R - 4 else "right"
-    ax.annotate(gap_text, xy=(worst, (acc[best] + acc[worst]) / 2), xytext=(8 if side == "left" else -8, 0),
-                textcoords="offset points", ha=side, va="center", fontsize=9, color="C3")
     facts = [f"n = {metrics['n_prompts']} prompts"] if "n_prompts" in metrics else []
     if "detected_period" in metrics:
         facts.append(f"detected period {metrics['detected_period']}")
     if "flatness_p" in metrics:
         facts.append(f"flatness p = {metrics['flatness_p']:.3g}")
-    if facts:
-        ax.text(0.01, 0.02, ", ".join(facts), transform=ax.transAxes, fontsize=8, color="0.3")
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, title=", ".join(facts) or None,
+               title_fontsize=8)
     ax.set_title(title or f"Top-1 accuracy by target position mod {R} (stride S = {S})")
     return _save(fig, path)
 
@@ -76,7 +75,7 @@ def plot_residue_curves(curves: dict[str, dict], path: str | Path, title: str | 
         label = f"{name} (S={S}): mean {100 * m['mean_accuracy']:.1f}%, gap {m['max_gap_pp']:.1f} pp"
         ax.errorbar(x + dx, acc, yerr=err, fmt="o-", color=f"C{i % 10}", ms=3, lw=1.1, capsize=2,
                     label=label)
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+    fig.legend(loc="outside lower center", ncols=1 if len(parsed) < 4 else 2, fontsize=8)
     ax.set_title(title or f"Top-1 accuracy by target position mod {R}")
     return _save(fig, path)
 
@@ -96,7 +95,7 @@ def _curve(metrics: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
 
 def _new_axes(R: int, stride: int | None):
     """Figure with residue x axis, percent y axis, phase boundaries and a phase axis on top."""
-    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    fig = Figure(figsize=(9, 5.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_xlim(-0.7, R - 0.3)

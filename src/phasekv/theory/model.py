@@ -139,6 +139,11 @@ def static_assignment(pk: torch.Tensor, pv: torch.Tensor) -> Assignment:
     return assign
 
 
+def fixed_assignment(pk: torch.Tensor, pv: torch.Tensor) -> Assignment:
+    """Coefficients already computed, pk, pv (..., m, L, S), whatever the contexts (broadcast)."""
+    return lambda x: (pk, pv)
+
+
 def one_hot_assignment(cfg: TheoryConfig, positions: list[int]) -> Assignment:
     """Head h keeps its key at positions[h] and its value at positions[h] + 1 (Theorem 1's form)."""
     if len(positions) != cfg.heads or not all(0 <= r < cfg.stride - 1 for r in positions):
@@ -172,23 +177,39 @@ def successor_targets(tokens: torch.Tensor) -> torch.Tensor:
     return tokens[..., :, 1:].flatten(-2)
 
 
-def query_losses(tokens: torch.Tensor, emb: torch.Tensor, assign: Assignment, cfg: TheoryConfig
-                 ) -> torch.Tensor:
-    """Cross-entropy of the successor for every query: (..., L, S-1) for tokens (..., L, S).
+def embed(tokens: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context embeddings x (..., L, S, d) and the vocabulary shaped to broadcast against x's batch.
 
     emb is one vocabulary (N, d), or one per run (R, N, d) with tokens (R, B, L, S).
     """
     if emb.dim() == 3:
         runs = torch.arange(emb.shape[0]).view(-1, 1, 1, 1)
-        x = emb[runs, tokens]  # (R, B, L, S, d)
-        emb = emb[:, None]  # (R, 1, N, d): broadcast over the contexts of a run
-    else:
-        x = emb[tokens]  # (..., L, S, d)
+        return emb[runs, tokens], emb[:, None]  # (R, B, L, S, d), (R, 1, N, d)
+    return emb[tokens], emb
+
+
+def query_logits(tokens: torch.Tensor, emb: torch.Tensor, assign: Assignment, cfg: TheoryConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (..., Q, N) of every query of contexts tokens (..., L, S) and their successors (..., Q)."""
+    x, vocab = embed(tokens, emb)
     pk, pv = assign(x)
-    logits = successor_logits(x, emb, pk, pv, cfg.gamma, cfg.beta)  # (..., Q, N)
-    target = successor_targets(tokens).expand(logits.shape[:-1])  # the assignment may add batch dims
+    logits = successor_logits(x, vocab, pk, pv, cfg.gamma, cfg.beta)
+    return logits, successor_targets(tokens).expand(logits.shape[:-1])  # the assignment may add batch dims
+
+
+def query_losses(tokens: torch.Tensor, emb: torch.Tensor, assign: Assignment, cfg: TheoryConfig
+                 ) -> torch.Tensor:
+    """Cross-entropy of the successor for every query: (..., L, S-1) for tokens (..., L, S)."""
+    logits, target = query_logits(tokens, emb, assign, cfg)
     nll = torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)
     return nll.unflatten(-1, (cfg.chunks, cfg.stride - 1))
+
+
+def top1_accuracy(logits: torch.Tensor, target: torch.Tensor, tol: float = 1e-9) -> torch.Tensor:
+    """Expected top-1 accuracy per query with ties broken uniformly at random: (..., Q)."""
+    top = logits.max(-1, keepdim=True).values
+    tied = logits >= top - tol
+    return tied.gather(-1, target[..., None]).squeeze(-1) / tied.sum(-1)
 
 
 # ---------------------------------------------------------------- the population loss, three ways
@@ -249,6 +270,23 @@ def monte_carlo_loss(cfg: TheoryConfig, emb: torch.Tensor, assign: Assignment, n
     stderr = values.std().item() / math.sqrt(n_contexts) if n_contexts > 1 else float("nan")
     return MonteCarloEstimate(values.mean().item(), stderr,
                               (per_position / (n_contexts * cfg.chunks)).tolist())
+
+
+def retrieval_by_position(cfg: TheoryConfig, emb: torch.Tensor, assign: Assignment, tokens: torch.Tensor
+                          ) -> dict[str, torch.Tensor]:
+    """Probability of the correct successor and top-1 accuracy by query position r* over contexts tokens.
+
+    tokens (..., B, L, S) with the assignment's batch dims in front; returns mean and standard error of
+    the probability over the B contexts, and the mean accuracy, each (..., S-1).
+    """
+    with torch.no_grad():
+        logits, target = query_logits(tokens, emb, assign, cfg)
+    prob = torch.softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)  # (..., B, Q)
+    acc = top1_accuracy(logits, target)
+    per_context = prob.unflatten(-1, (cfg.chunks, cfg.stride - 1)).mean(-2)  # (..., B, S-1)
+    n = per_context.shape[-2]
+    return {"prob": per_context.mean(-2), "stderr": per_context.std(-2) / math.sqrt(n),
+            "top1": acc.unflatten(-1, (cfg.chunks, cfg.stride - 1)).mean(dim=(-3, -2))}
 
 
 # ---------------------------------------------------------------- the slow, obviously-correct reference

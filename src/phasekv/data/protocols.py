@@ -1,0 +1,358 @@
+"""Evaluation prompt sets of the controlled lookup task: prefix and in-sequence padding (PAPER.md s. 3).
+
+A prompt is a sequence of the lookup family (`phasekv.data.lookup.assemble`): <bos>, N records with
+fillers around them, D demonstrations (key-value queries of records that are not targets of the
+context), then the target key; the answer is the first token of the target's value.  Prompts that
+share everything but the target form a `Context` (ids up to, excluding, the target key) with several
+`Query`s, so a runner can prefill the context once and continue each query from a copy of the cache.
+`EvalSet.prompts()` is the flat view (one full prompt per query).
+
+Padding protocols (fillers are real filler tokens; every prompt of a set has the same length, so
+the query position is fixed; positions count every token, <bos> at 0):
+
+* prefix:      <bos> (f + s fillers) records (E - f - s fillers) demos target.  All records move
+               together.
+* insequence:  fillers also sit between records.  Each target j of a context is preceded by exactly
+               f + gap * i_j + s fillers (i_j its record index), which fixes its position; the
+               fillers of every stretch between consecutive targets (and before the first and after
+               the last) are dropped uniformly at random into that stretch's gaps, afresh for every
+               shift, so the distractors around a target move relative to it.  Targets of one
+               context keep their mutual offsets.
+The shift s runs over 0..R-1; f in [0, g) is the cluster's family offset (below);
+E = (g - 1) + (R - 1) + gap * N fillers in all (gap = 0 for prefix).
+
+Position matching, by construction.  A cluster is one logical example (records, their order,
+demonstrations, targets).  Each (cluster, target) pair has a base position b (its key position at
+s = 0) and is shown at every shift s = 0..R-1, at b + s; so every residue group (position mod R)
+holds every pair exactly once: the groups contain the same logical examples and differ only in
+position.  Write b = R x + rho.  In group r the pair sits at r + R (x + [rho > r]).  With K pairs of
+each base residue rho ("balanced", n = R K pairs per group), elementary algebra gives
+
+    mean_r = mean(b) + (R - 1) / 2                                (the same for every r)
+    var_r  = var_{R-1} + (2 / K) * S_r,   S_r = sum_{rho > r} (Sigma_rho - mean_rho' Sigma_rho')
+
+where Sigma_rho is the sum of the bases of residue rho.  So means are always equal, and variances
+are equal iff all residue classes of bases have the same sum.  Each base of class rho is = rho mod R,
+so Sigma_rho = K rho (mod R): equal sums need R | K, i.e. n = R^2 pairs per group (576 at R = 24).
+That size is unavoidable up to a factor 2: for ANY design with equally weighted prompts, equal means
+need R | n and equal variances need R^2 / 2 | n (write the group-g positions as g + R m and demand
+equal sums of p and p^2; the conditions for g = 0, 1, 2 force 2 n = 0 mod R^2).  The full sweep pays
+the factor 2 for identical logical examples in every group.  The class sums are chosen so that
+every partial sum S_r lies in [-R/2, R/2] (exactly 0 when R | K): with fewer prompts (R not
+dividing K) the means stay exactly equal and the variances differ by at most 2 R / K (position^2).
+`EvalSet.matching_stats()` measures both with exact integer arithmetic.
+
+Realizing the bases.  In the base layout (s = 0) record i starts at 1 + f + w i, w = record length
+(+ gap for insequence).  With g = gcd(w, R) a cluster's bases all have residues = 1 + f (mod g), so
+clusters come in g families f = c mod g, and a cluster takes t targets in each of the R / g residue
+classes of its family (targets_per_context = t R / g).  Record i of family f lies in the class fixed
+by i mod (R / g); within a class, the record indices i = i_rho + (R / g) q are chosen (q spread as
+evenly as possible over the records that are valid at every shift, distinct within a cluster) so
+that the class sum is the designed one.  K = (n_clusters / g) t.  Defaults: targets_per_context =
+R / g and n_clusters = g R, so K = R: exact matching, 576 prompts per residue group at R = 24
+(prefix, 2-token records: 48 clusters x 24 shifts = 1152 contexts of 12 queries).
+
+Local window: every target record ends at or before query_position - local_window at every shift
+(`lookup.outside_local_window`); records that would not are never targets, and a configuration that
+leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from phasekv.data.lookup import assemble, filler_tokens, outside_local_window, sample_records, scatter
+from phasekv.data.vocab import Vocabulary
+
+PROTOCOLS = ("prefix", "insequence")
+_TAG = {"prefix": 10, "insequence": 11}  # RNG stream tags (lookup.py uses 0..2)
+_DESIGN, _CLUSTER, _CONTEXT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Query:
+    key: tuple[int, ...]  # target key token ids, appended to the context ids
+    answer: int  # first token of the target's value
+    target_position: int  # position of the target record's first key token
+    residue: int  # target_position mod residue_modulus
+    phase: int  # target_position mod stride
+    shift: int
+    cluster: int
+    protocol: str
+    record: int  # index of the target record in its context
+
+
+@dataclass
+class Context:
+    ids: list[int]  # <bos> ... demonstrations: everything before the target key
+    queries: list[Query]
+    cluster: int
+    shift: int
+    record_positions: list[int]  # first key token of every record
+    demo_records: list[int]  # record index of each demonstration, in prompt order
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]  # context ids + target key; the model's last-position logits score the answer
+    query: Query
+    context: int  # index into EvalSet.contexts
+
+
+@dataclass
+class EvalSet:
+    protocol: str
+    stride: int
+    residue_modulus: int
+    local_window: int
+    vocab: Vocabulary
+    contexts: list[Context]
+    settings: dict[str, Any] = field(default_factory=dict)  # the build_eval_set arguments, resolved
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.contexts[0].ids) + len(self.contexts[0].queries[0].key)
+
+    @property
+    def query_position(self) -> int:
+        """Position of the last target-key token, whose logits predict the answer (same for all)."""
+        return self.prompt_length - 1
+
+    def queries(self) -> list[Query]:
+        return [q for c in self.contexts for q in c.queries]
+
+    def prompts(self) -> list[Prompt]:
+        return [Prompt(c.ids + list(q.key), q, i) for i, c in enumerate(self.contexts) for q in c.queries]
+
+    def matching_stats(self, modulus: int | None = None) -> dict[str, Any]:
+        """Per group (target_position mod `modulus`, default residue_modulus) n, mean and variance
+        (ddof 0) of the target position, computed exactly; gaps: max - min of the means, and
+        (max - min) / mean of the variances."""
+        modulus = modulus or self.residue_modulus
+        n, s1, s2 = [0] * modulus, [0] * modulus, [0] * modulus
+        for q in self.queries():
+            r = q.target_position % modulus
+            n[r] += 1
+            s1[r] += q.target_position
+            s2[r] += q.target_position ** 2
+        means = [Fraction(s1[r], n[r]) for r in range(modulus)]
+        variances = [Fraction(n[r] * s2[r] - s1[r] ** 2, n[r] ** 2) for r in range(modulus)]
+        mean_var = sum(variances) / modulus
+        return {
+            "modulus": modulus,
+            "query_position": self.query_position,
+            "n_prompts": sum(n),
+            "per_group": [{"group": r, "n": n[r], "mean": float(means[r]), "variance": float(variances[r])}
+                          for r in range(modulus)],
+            "max_mean_gap": float(max(means) - min(means)),
+            "max_variance_rel_gap": float((max(variances) - min(variances)) / mean_var) if mean_var else 0.0,
+        }
+
+    def describe(self, i: int) -> str:
+        """Readable text of flat prompt i: the target record in [brackets], then 'key -> answer'."""
+        prompt = self.prompts()[i]
+        q = prompt.query
+        context = self.contexts[prompt.context]
+        words = self.vocab.decode(context.ids).split(" ")
+        end = q.target_position + self.settings["key_tokens"] + self.settings["value_tokens"] - 1
+        words[q.target_position] = "[" + words[q.target_position]
+        words[end] = words[end] + "]"
+        head = (f"{self.protocol} prompt {i}: cluster {q.cluster}, shift {q.shift}, target record {q.record} at "
+                f"position {q.target_position} (residue {q.residue} mod {self.residue_modulus}, phase {q.phase} "
+                f"mod {self.stride}), query at position {self.query_position}")
+        tail = f"{self.vocab.decode(q.key)} -> {self.vocab.decode([q.answer])}"
+        return f"{head}\n{' '.join(words)} {tail}"
+
+
+def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demos: int = 8, stride: int = 8,
+                   residue_modulus: int = 24, n_clusters: int | None = None,
+                   targets_per_context: int | None = None, local_window: int = 16, key_tokens: int = 1,
+                   value_tokens: int = 1, insequence_gap: int = 1, seed: int = 0) -> EvalSet:
+    """The prompt set of one padding protocol (see the module docstring for the construction).
+
+    n_clusters defaults to g * R and targets_per_context to R / g (g = gcd(pitch, R)), which makes
+    the matching of target-position means and variances exact.  insequence_gap: mean fillers per
+    record in the in-sequence layout (ignored by prefix).
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol: unknown {protocol!r}; choose one of {PROTOCOLS}")
+    ints = {"n_records": (n_records, 1), "n_demos": (n_demos, 0), "stride": (stride, 1),
+            "residue_modulus": (residue_modulus, 1), "local_window": (local_window, 1),
+            "key_tokens": (key_tokens, 1), "value_tokens": (value_tokens, 1), "seed": (seed, 0),
+            "insequence_gap": (insequence_gap, 1 if protocol == "insequence" else 0)}
+    for name, (value, low) in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+    R = residue_modulus
+    if R % stride:
+        raise ValueError(f"residue_modulus: {R} is not a multiple of stride {stride}")
+    rec = key_tokens + value_tokens
+    gap = insequence_gap if protocol == "insequence" else 0
+    pitch = rec + gap
+    g = math.gcd(pitch, R)
+    classes = R // g  # residue classes a cluster can reach
+    first, starts = _class_starts(R, g, pitch)
+    exact = _exact_class_size(starts, pitch * classes)
+    targets_per_context = classes if targets_per_context is None else targets_per_context
+    if not isinstance(targets_per_context, int) or targets_per_context < 1 or targets_per_context % classes:
+        raise ValueError(f"targets_per_context: must be a positive multiple of R / gcd(record pitch {pitch}, R) = "
+                         f"{classes}, got {targets_per_context!r}")
+    t = targets_per_context // classes
+    n_clusters = g * exact // math.gcd(exact, t) if n_clusters is None else n_clusters
+    if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
+        raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
+                         f"got {n_clusters!r}")
+    if targets_per_context + n_demos > n_records:
+        raise ValueError(f"n_records: {n_records} records cannot hold {targets_per_context} targets and "
+                         f"{n_demos} demonstrations of other records")
+    if n_records > len(vocab.group("keys")) ** key_tokens:
+        raise ValueError(f"n_records: {n_records} distinct keys needed, the vocabulary has "
+                         f"{len(vocab.group('keys'))} key words")
+
+    fillers_total = (g - 1) + (R - 1) + gap * n_records
+    query_position = 1 + fillers_total + rec * (n_records + n_demos) + key_tokens - 1
+    settings = {"protocol": protocol, "n_records": n_records, "n_demos": n_demos, "stride": stride,
+                "residue_modulus": R, "n_clusters": n_clusters, "targets_per_context": targets_per_context,
+                "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
+                "insequence_gap": gap, "seed": seed, "families": g,
+                "exact_matching": (n_clusters // g) * t % exact == 0}
+    tag = _TAG[protocol]
+    targets = _design_targets(R, g, pitch, rec, first, starts, n_records, n_clusters, t, query_position,
+                              local_window, np.random.default_rng([seed, tag, _DESIGN]))
+
+    contexts = []
+    for c, target_records in enumerate(targets):
+        f = c % g
+        rng = np.random.default_rng([seed, tag, _CLUSTER, c])
+        keys, values = sample_records(rng, vocab, n_records, key_tokens, value_tokens)
+        others = np.setdiff1d(np.arange(n_records), target_records)
+        demos = rng.choice(others, size=n_demos, replace=False).tolist()
+        for s in range(R):
+            rng_s = np.random.default_rng([seed, tag, _CONTEXT, c, s])
+            if protocol == "prefix":
+                gaps = [f + s] + [0] * (n_records - 1) + [fillers_total - f - s]
+            else:
+                gaps = _insequence_gaps(rng_s, target_records, n_records, f + s, gap, fillers_total)
+            layout = assemble(vocab.bos, keys, values, gaps, filler_tokens(rng_s, vocab, fillers_total), demos)
+            queries = []
+            for i in target_records:
+                pos = layout.record_positions[i]
+                if pos != 1 + f + pitch * i + s or not outside_local_window(pos + rec - 1, query_position,
+                                                                             local_window):
+                    raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
+                queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % R, pos % stride, s, c,
+                                     protocol, i))
+            contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
+    return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings)
+
+
+def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_records: int, lead: int,
+                     gap: int, total: int) -> list[int]:
+    """Fillers before each record (and after the last): target i gets exactly lead + gap * i before it,
+    the rest of each stretch between fixed points is scattered uniformly over the stretch's gaps."""
+    gaps = np.zeros(n_records + 1, dtype=np.int64)
+    bounds = [-1, *target_records, n_records]  # gaps (a, b] between fixed points a and b
+    cumulative = [0, *(lead + gap * i for i in target_records), total]
+    for a, b, before, after in zip(bounds, bounds[1:], cumulative, cumulative[1:]):
+        gaps[a + 1:b + 1] = scatter(rng, after - before, b - a)
+    return gaps.tolist()
+
+
+def _class_starts(R: int, g: int, pitch: int) -> tuple[list[int], list[int]]:
+    """Per base residue rho: the first record index i0 whose base 1 + f + pitch * i0 (f = (rho - 1) mod g)
+    is = rho (mod R), and that base."""
+    classes = R // g
+    inverse = pow(pitch // g, -1, classes) if classes > 1 else 0
+    first = [((rho - 1 - (rho - 1) % g) // g * inverse) % classes for rho in range(R)]
+    return first, [1 + (rho - 1) % g + pitch * first[rho] for rho in range(R)]
+
+
+def _exact_class_size(starts: list[int], step: int) -> int:
+    """Smallest K for which K bases per residue class can have equal class sums: the class sums are
+    K * start (mod step), so K must make every K * (start - start') a multiple of step."""
+    common = 0
+    for start in starts:
+        common = math.gcd(common, start - starts[0])
+    return step // math.gcd(step, common)
+
+
+def _design_targets(R: int, g: int, pitch: int, rec: int, first: list[int], starts: list[int], n_records: int,
+                    n_clusters: int, t: int, query_position: int, local_window: int,
+                    rng: np.random.Generator) -> list[list[int]]:
+    """Target record indices of every cluster, sorted; see the module docstring."""
+    classes = R // g
+    step = pitch * classes  # base distance between records of one residue class: lcm(pitch, R)
+    per_family = n_clusters // g
+    K = per_family * t  # pairs per base residue
+    qmax = []  # per base residue: largest valid q (record first + classes * q)
+    for rho in range(R):
+        q = -1
+        while (first[rho] + classes * (q + 1) < n_records  # a record, outside the window at the largest shift
+               and outside_local_window(starts[rho] + step * (q + 1) + R - 1 + rec - 1, query_position,
+                                        local_window)):
+            q += 1
+        if q + 1 < t:
+            raise ValueError(f"n_records: too few records for {t * classes} targets per context outside the "
+                             f"local window (residue {rho} has {q + 1} valid records per cluster, needs {t})")
+        qmax.append(q)
+
+    half = Fraction(t - 1, 2)  # feasible class means run from the t shallowest to the t deepest records
+    low = max(starts[rho] + step * half for rho in range(R))
+    high = min(starts[rho] + step * (qmax[rho] - half) for rho in range(R))
+    if low > high:
+        raise ValueError(f"n_records: {n_records} records leave no common target depth for all residues; "
+                         "use more records or fewer targets_per_context")
+    lattice = [K * start % step for start in starts]  # Sigma_rho = K * start_rho (mod step)
+    centre = K * (low + high) / 2
+    z0 = round((R * centre - sum(lattice)) / step) - R // 2
+    candidates = [_class_sums(lattice, step, Fraction(sum(lattice) + step * z, R)) for z in range(z0, z0 + R)]
+    sums = min(candidates, key=lambda c: (c[1], abs(sum(c[0]) / R - centre)))[0]
+
+    targets: list[list[int]] = [[] for _ in range(n_clusters)]
+    for rho in range(R):
+        qs = _spread(K, qmax[rho], per_family, (sums[rho] - K * starts[rho]) // step, rho)
+        owner = rng.permutation(per_family)
+        for j, q in enumerate(qs):  # sorted; a run of equal q is at most per_family long: distinct per cluster
+            targets[(rho - 1) % g + g * int(owner[j % per_family])].append(first[rho] + classes * q)
+    return [sorted(ts) for ts in targets]
+
+
+def _class_sums(lattice: list[int], step: int, mean_sum: Fraction) -> tuple[list[int], Fraction]:
+    """Class sums on their lattices (lattice + step * Z) with mean `mean_sum`, chosen greedily from the
+    top residue down so that every partial sum S_r of deviations lies in [-step/2, step/2]; returns
+    them and max S_r - min S_r, which sets the variance gap (module docstring)."""
+    R = len(lattice)
+    sums = [0] * R
+    deviation, partial = Fraction(0), [Fraction(0)]
+    for rho in reversed(range(R)):
+        sums[rho] = lattice[rho] + step * round((mean_sum - deviation - lattice[rho]) / step)
+        deviation += sums[rho] - mean_sum
+        partial.append(deviation)
+    if deviation % step:
+        raise AssertionError("internal: class sums off their lattices")
+    sums[0] -= int(deviation)  # 0 unless the rounding tied; changes only the grand total, not any S_r
+    return sums, max(partial[:-1]) - min(partial[:-1])
+
+
+def _spread(K: int, qmax: int, cap: int, total: int, rho: int) -> list[int]:
+    """K integers in [0, qmax], each value at most `cap` times, summing to `total`, spread evenly (sorted)."""
+    hist = np.bincount([(2 * j + 1) * (qmax + 1) // (2 * K) for j in range(K)], minlength=qmax + 1)
+    diff = total - int(hist @ np.arange(qmax + 1))
+    step = 1 if diff > 0 else -1
+    for _ in range(abs(diff)):  # move one item by one step where the histogram is most uneven
+        moves = [x for x in range(qmax + 1) if hist[x] and 0 <= x + step <= qmax and hist[x + step] < cap]
+        if not moves:
+            raise ValueError(f"n_records: cannot place the targets of residue {rho} at the designed depth; "
+                             "use more records, fewer targets_per_context or more n_clusters")
+        x = max(moves, key=lambda x: hist[x] - hist[x + step])
+        hist[x] -= 1
+        hist[x + step] += 1
+    if hist.max() > cap:
+        raise ValueError(f"n_records: too few records for the targets of residue {rho}")
+    return np.repeat(np.arange(qmax + 1), hist).tolist()

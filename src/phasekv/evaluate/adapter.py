@@ -1,0 +1,140 @@
+"""The one small interface evaluation and probes use to talk to a model (DESIGN.md).
+
+An adapter scores next-token logits for batches of token ids, either in one forward pass or by
+prefilling shared contexts once and continuing several queries from copies of the cache.  Both
+phasekv models and Hugging Face causal LMs implement it; probes attach PyTorch hooks to
+`adapter.attention_layers()` (each layer's `o_proj` and `self_attn` modules have the same roles in
+both families).
+
+Every position is a real token: there is no padding and no attention mask, so a token's phase is
+its index in the input ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from phasekv.cache import KVCache
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_length: int
+    stride: int | None  # the compression stride that sets phase (None: no compression)
+    local_window: int | None  # raw tokens a compressed layer sees exactly (None: full attention)
+
+
+class Adapter:
+    info: ModelInfo
+    module: nn.Module
+    device: torch.device
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention module of each layer (exposing `o_proj`)."""
+        raise NotImplementedError
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, V), one forward pass without cache."""
+        raise NotImplementedError
+
+    def prefill(self, ids: torch.Tensor):
+        """ids (B, T) -> an opaque cache of the B contexts."""
+        raise NotImplementedError
+
+    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        """Continue each of the cached contexts with `repeats` query rows each (context-major order):
+        ids (B * repeats, t) -> logits (B * repeats, t, V).  The cache itself is left unchanged."""
+        raise NotImplementedError
+
+    def check_length(self, length: int) -> None:
+        if length > self.info.max_length:
+            raise ValueError(f"prompt length {length} exceeds the model's context ({self.info.max_length} tokens)")
+
+
+class PhaseKVAdapter(Adapter):
+    def __init__(self, model: nn.Module, name: str = "phasekv"):
+        cfg = model.config
+        self.module, self.device = model.eval(), next(model.parameters()).device
+        windowed = any(kind != "full" for kind in cfg.layer_types)
+        self.info = ModelInfo(name, cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                              cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.phase_stride,
+                              cfg.local_window if windowed else None)
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.module.model.layers]
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(ids.to(self.device))
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> KVCache:
+        cache = KVCache()
+        self.module(ids.to(self.device), cache=cache)
+        return cache
+
+    @torch.no_grad()
+    def continue_from(self, cache: KVCache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        return self.module(ids.to(self.device), cache=cache.repeat_interleave(repeats))
+
+
+class HFAdapter(Adapter):
+    """Any transformers causal LM.  The cache is its DynamicCache, deep-copied and repeated per query."""
+
+    def __init__(self, model: nn.Module, name: str, stride: int | None = None, local_window: int | None = None):
+        cfg = model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = text.num_attention_heads
+        self.module, self.device = model.eval(), next(model.parameters()).device
+        self.info = ModelInfo(name, text.vocab_size, text.num_hidden_layers, heads,
+                              getattr(text, "num_key_value_heads", None) or heads,
+                              getattr(text, "head_dim", None) or text.hidden_size // heads,
+                              getattr(text, "max_position_embeddings", 1 << 30), stride, local_window)
+
+    def attention_layers(self) -> list[nn.Module]:
+        layers = None
+        for path in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers"):
+            obj = self.module
+            try:
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            layers = obj
+            break
+        if layers is None:
+            raise ValueError(f"{self.info.name}: cannot find decoder layers (looked for model.layers)")
+        attn = [getattr(layer, "self_attn", None) for layer in layers]
+        if any(a is None or not hasattr(a, "o_proj") for a in attn):
+            raise ValueError(f"{self.info.name}: layers have no self_attn.o_proj (Qwen/Llama-style models only)")
+        return attn
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(input_ids=ids.to(self.device), use_cache=False).logits
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor):
+        out = self.module(input_ids=ids.to(self.device), use_cache=True)
+        return (out.past_key_values, ids.shape[1])
+
+    @torch.no_grad()
+    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        import copy
+
+        past, length = cache
+        past = copy.deepcopy(past)
+        if repeats > 1:
+            past.batch_repeat_interleave(repeats)
+        ids = ids.to(self.device)
+        positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        return self.module(input_ids=ids, past_key_values=past, position_ids=positions, use_cache=True).logits

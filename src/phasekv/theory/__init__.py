@@ -1,0 +1,16 @@
+"""The idealized induction model of PAPER.md section 5: its loss, its optimum, its gradient flow.
+
+  model.py    the model and its population loss (closed form, enumeration, Monte Carlo, reference)
+  optimum.py  Theorem 1: the oracle optimum is one-hot and adjacent, distinct across heads at eps = 0
+  flow.py     Theorem 2: gradient flow of log-linear gates concentrates each head on one position
+  run.py      `run_theory`: all checks, the retrieval prediction by position, JSON summary
+  figures.py  the PNG figures;  cli.py: the `phasekv theory` subcommand
+"""
+
+from phasekv.theory.flow import FlowConfig, train_gates
+from phasekv.theory.model import TheoryConfig, closed_form_losses, make_embeddings, monte_carlo_loss
+from phasekv.theory.optimum import theorem1_check
+from phasekv.theory.run import run_theory
+
+__all__ = ["FlowConfig", "TheoryConfig", "closed_form_losses", "make_embeddings", "monte_carlo_loss",
+           "run_theory", "theorem1_check", "train_gates"]

@@ -1,0 +1,192 @@
+"""Statistics of the phase-sensitivity evaluation on oracles with known answers."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency, norm
+
+from phasekv.evaluate.metrics import detect_period, summarize, wilson_interval
+from phasekv.evaluate.plots import plot_accuracy_by_residue, plot_residue_curves
+
+R = 24
+Z = norm.ppf(0.975)
+
+
+def shifted_records(residue_acc, n_clusters, seed, cluster_sd=0.0):
+    """Prefix-padding-like oracle: every cluster is shown at R consecutive shifts (one per residue).
+
+    residue_acc: accuracy per residue (length R).  cluster_sd: sd of a per-cluster logit offset,
+    i.e. how much easier some logical examples are than others at every shift.
+    """
+    rng = np.random.default_rng(seed)
+    base = rng.integers(300, 400, size=n_clusters)
+    position = (base[:, None] + np.arange(R)).ravel()  # (C * R,)
+    logit = np.log(residue_acc / (1 - residue_acc))[position % R]
+    logit += np.repeat(rng.normal(0.0, cluster_sd, n_clusters), R)
+    correct = rng.random(len(position)) < 1 / (1 + np.exp(-logit))
+    return {"cluster": np.repeat(np.arange(n_clusters), R), "target_position": position, "correct": correct}
+
+
+def phase_curve(period, fail=(), fail_acc=0.05, ok_acc=0.95):
+    """Residue accuracies that fail at the given phases mod `period` and are high elsewhere."""
+    return np.where(np.isin(np.arange(R) % period, fail), fail_acc, ok_acc)
+
+
+def test_wilson_known_values():
+    # Newcombe (1998), Stat. Med. 17:857, Table II, method 3 (score interval without correction)
+    for k, n, lo, hi in [(81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611),
+                         (1, 29, 0.0061, 0.1718)]:
+        assert wilson_interval(k, n) == pytest.approx((lo, hi), abs=5e-5)
+    n = np.full(11, 10)
+    low, high = wilson_interval(np.arange(11), n)
+    assert low[0] == 0.0 and high[-1] == 1.0
+    assert high[0] == pytest.approx(Z**2 / (10 + Z**2)) and low[-1] == pytest.approx(10 / (10 + Z**2))
+    np.testing.assert_allclose(low, 1 - high[::-1], atol=1e-12)  # symmetric in k <-> n - k
+    # both bounds solve the score equation (k/n - p)^2 = z^2 p (1 - p) / n
+    for bound in (low[1:-1], high[1:-1]):
+        np.testing.assert_allclose((np.arange(1, 10) / 10 - bound) ** 2, Z**2 * bound * (1 - bound) / 10,
+                                   atol=1e-12)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def test_oracle_failing_at_two_phases():
+    m = summarize(shifted_records(phase_curve(8, fail=(2, 5)), n_clusters=400, seed=1), stride=8)
+    phase_acc = [g["accuracy"] for g in m["per_phase"]]
+    assert sorted(np.argsort(phase_acc)[:2].tolist()) == [2, 5]
+    failing = [g["residue"] for g in m["per_residue"] if g["accuracy"] < 0.5]
+    assert failing == [r for r in range(R) if r % 8 in (2, 5)]
+    assert m["worst_phase"] in (2, 5) and m["worst_residue"] % 8 in (2, 5)
+    assert m["max_gap_pp"] == pytest.approx(90, abs=6)
+    assert m["phase_gap_pp"] == pytest.approx(90, abs=3)
+    assert m["gap_ci_pp"][0] > 90  # the max-minus-min gap and its percentile interval are biased up
+    assert m["gap_ci_basic_pp"][0] < m["gap_ci_pp"][0]
+    assert m["gap_crossfit_pp"] == pytest.approx(90, abs=2)
+    assert m["gap_crossfit_ci_pp"][0] <= 90 <= m["gap_crossfit_ci_pp"][1]
+    assert m["mean_accuracy"] == pytest.approx(0.725, abs=0.01)
+    assert m["mean_ci"][0] <= 0.725 <= m["mean_ci"][1]
+    assert m["detected_period"] == 8
+    assert m["flatness_p"] < 0.001
+    assert all(g["n"] == 400 for g in m["per_residue"]) and m["n_prompts"] == 400 * R
+
+
+def test_phase_blind_oracle_is_flat():
+    flat = np.full(R, 0.6)
+    runs = [summarize(shifted_records(flat, 150, seed, cluster_sd=1.5), stride=8, n_boot=400, n_perm=400,
+                      seed=seed) for seed in range(10)]
+    assert sum(m["flatness_p"] > 0.05 for m in runs) >= 9
+    assert sum(m["max_gap_pp"] <= m["null_gap_p95_pp"] for m in runs) >= 9
+    assert sum(m["detected_period"] == 1 for m in runs) >= 9
+    assert sum(m["gap_crossfit_ci_pp"][0] <= 0 <= m["gap_crossfit_ci_pp"][1] for m in runs) >= 9
+    # noise alone: a gap no larger than a few binomial standard errors of one group
+    assert all(m["max_gap_pp"] < 100 * 5 * np.sqrt(0.25 / 150) for m in runs)
+
+
+@pytest.mark.parametrize("period, fail", [(4, (3,)), (6, (1, 5)), (8, (7,)), (8, (2, 5)), (12, (11, 4))])
+def test_detect_period_on_synthetic_curves(period, fail):
+    curve = phase_curve(period, fail=fail, fail_acc=0.35, ok_acc=0.75)
+    curve[1::period] = 0.55  # a second, milder dip: the curve is not just one failing phase
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        n = rng.integers(100, 301, size=R)
+        found, scores = detect_period(rng.binomial(n, curve), n)
+        assert found == period, (seed, scores)
+        assert scores[period] == 0.0 and all(scores[d] > 0 for d in scores if d != period)
+
+
+def test_one_failing_phase_of_stride_8_is_period_8_not_24():
+    rng = np.random.default_rng(0)
+    n = np.full(R, 200)
+    found, scores = detect_period(rng.binomial(n, phase_curve(8, fail=(7,))), n)
+    assert found == 8 and scores[24] > 50 and scores[4] > 50
+
+
+def test_detect_period_flat_noise_gives_1():
+    found = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        n = rng.integers(100, 301, size=R)
+        found.append(detect_period(rng.binomial(n, 0.6), n)[0])
+    assert found.count(1) >= 9
+
+
+def test_flatness_permutation_matches_chi_square_for_independent_prompts():
+    rng = np.random.default_rng(3)
+    position = rng.integers(0, 10_000, size=4000)
+    correct = rng.random(4000) < 0.4 + 0.04 * (position % 8 == 3)
+    m = summarize({"cluster": np.arange(4000), "target_position": position, "correct": correct}, stride=8)
+    table = np.stack([np.bincount(position % R, weights=correct, minlength=R),
+                      np.bincount(position % R, weights=~correct, minlength=R)])
+    assert m["flatness_p"] == pytest.approx(chi2_contingency(table)[1], abs=0.03)
+
+
+def test_flatness_accounts_for_clusters():
+    """Clusters whose prompts share one residue: the plain chi-square test is fooled, the permutation is not."""
+    naive_rejects, perm_rejects = 0, 0
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        cluster = np.repeat(np.arange(240), 20)  # 240 clusters of 20 prompts, 10 clusters per residue
+        position = np.repeat(rng.permutation(np.arange(1000, 1240)), 20)
+        correct = rng.random(len(cluster)) < np.repeat(rng.uniform(0.1, 0.9, 240), 20)
+        m = summarize({"cluster": cluster, "target_position": position, "correct": correct}, stride=8,
+                      n_boot=200, n_perm=500)
+        table = np.stack([np.bincount(position % R, weights=correct), np.bincount(position % R, weights=~correct)])
+        naive_rejects += chi2_contingency(table)[1] < 0.05
+        perm_rejects += m["flatness_p"] < 0.05
+    assert naive_rejects == 5 and perm_rejects <= 1
+
+
+def test_cluster_bootstrap_width():
+    """Independent prompts: the binomial width; correlated clusters: wider, as it must be."""
+    widths = {}
+    for sd in (0.0, 2.0):
+        m = summarize(shifted_records(np.full(R, 0.5), 100, seed=4, cluster_sd=sd), stride=8)
+        widths[sd] = m["mean_ci"][1] - m["mean_ci"][0]
+    assert widths[0.0] == pytest.approx(2 * Z * np.sqrt(0.25 / (100 * R)), rel=0.15)
+    assert widths[2.0] > 2 * widths[0.0]
+
+
+def test_json_is_deterministic_and_plain():
+    records = shifted_records(phase_curve(6, fail=(5,)), 60, seed=2)
+    as_list = [{"cluster": int(c), "target_position": int(t), "correct": bool(k)}
+               for c, t, k in zip(*(records[f] for f in ("cluster", "target_position", "correct")))]
+    a = json.dumps(summarize(records, stride=6, seed=7), sort_keys=True)
+    assert a == json.dumps(summarize(as_list, stride=6, seed=7), sort_keys=True)
+    assert a != json.dumps(summarize(records, stride=6, seed=8), sort_keys=True)
+    m = json.loads(a)
+    assert m["detected_period"] == 6 and m["stride"] == 6 and len(m["per_phase"]) == 6
+
+
+def test_position_matching():
+    base = np.array([96, 120, 144])
+    position = (base[:, None] + np.arange(R)).ravel()  # residue r holds 96 + r, 120 + r, 144 + r
+    records = {"cluster": np.repeat(np.arange(3), R), "target_position": position,
+               "correct": np.arange(len(position)) % 3 == 0}
+    pm = summarize(records, stride=4, n_boot=10, n_perm=10)["position_matching"]
+    assert [g["mean"] for g in pm["per_residue"]] == [120.0 + r for r in range(R)]
+    assert all(g["variance"] == pytest.approx(384.0) for g in pm["per_residue"])
+    assert pm["max_abs_mean_diff"] == 23.0 and pm["max_rel_var_diff"] == pytest.approx(0.0)
+
+
+def test_input_errors():
+    records = shifted_records(np.full(R, 0.5), 5, seed=0)
+    with pytest.raises(ValueError, match="residue_modulus"):
+        summarize(records, stride=5)
+    gappy = {k: v[records["target_position"] % R != 7] for k, v in records.items()}
+    gappy = {k: v[gappy["target_position"] % R != 19] for k, v in gappy.items()}
+    with pytest.raises(ValueError, match=r"no prompts: \[7, 19\]"):
+        summarize(gappy, stride=8)
+    with pytest.raises(ValueError, match="cluster"):
+        summarize([{"target_position": 3, "correct": True}], stride=8)
+
+
+def test_plots_write_png(tmp_path):
+    a = summarize(shifted_records(phase_curve(8, fail=(7,)), 40, seed=0), stride=8, n_boot=100, n_perm=100)
+    b = summarize(shifted_records(phase_curve(4, fail=(1,)), 40, seed=1), stride=4, n_boot=100, n_perm=100)
+    for path in (plot_accuracy_by_residue(a, tmp_path / "one.png"),
+                 plot_residue_curves({"W8/S8": a, "W4/S4": b}, tmp_path / "sub" / "many.png")):
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="residue_modulus"):
+        plot_residue_curves({"a": a, "b": {**b, "residue_modulus": 12}}, tmp_path / "bad.png")

@@ -1,0 +1,163 @@
+"""Evaluation prompt sets of the two padding protocols (phasekv.data.protocols)."""
+
+from collections import defaultdict
+
+import pytest
+
+from phasekv.data import PROTOCOLS, Vocabulary, build_eval_set
+
+R = 24
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return Vocabulary()
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def eval_set(request, vocab):
+    return build_eval_set(vocab, request.param, n_records=32, n_demos=8, stride=8)
+
+
+def _moments(positions):
+    """Exact (n, n * sum, n^2 * variance) of a list of integers: equal tuples <=> equal mean and variance."""
+    n, s1, s2 = len(positions), sum(positions), sum(p * p for p in positions)
+    return n, s1, n * s2 - s1 * s1
+
+
+@pytest.mark.parametrize("S", [4, 6, 8, 12])
+def test_target_position_moments_are_equal_in_every_group(eval_set, S):
+    groups = defaultdict(list)
+    for q in eval_set.queries():
+        groups[q.target_position % R].append(q.target_position)
+        assert q.residue == q.target_position % R and q.phase == q.target_position % 8
+    assert sorted(groups) == list(range(R))
+    assert len({_moments(g) for g in groups.values()}) == 1  # same n, mean and variance, exactly
+    assert len(groups[0]) == 576
+    stats = eval_set.matching_stats(S)
+    assert stats["max_mean_gap"] == 0.0 and stats["max_variance_rel_gap"] == 0.0
+    assert [g["n"] for g in stats["per_group"]] == [576 * R // S] * S
+    assert stats["per_group"][0]["variance"] > 300  # targets spread over the records, not bunched
+
+
+def test_every_pair_is_shown_at_every_shift_once(eval_set):
+    positions = defaultdict(list)
+    for q in eval_set.queries():
+        positions[(q.cluster, q.record)].append((q.shift, q.target_position))
+    assert len(positions) == 576
+    for shows in positions.values():
+        shifts, pos = zip(*sorted(shows))
+        assert shifts == tuple(range(R))
+        assert [p - s for s, p in shows] == [pos[0]] * R  # position = base + shift
+
+
+def test_fixed_query_position_and_answers(eval_set, vocab):
+    length = eval_set.prompt_length
+    assert eval_set.query_position == length - 1
+    assert {len(c.ids) for c in eval_set.contexts} == {length - 1}
+    prompts = eval_set.prompts()
+    assert len(prompts) == 576 * R and {len(p.ids) for p in prompts} == {length}
+    for p in prompts[:: 97]:
+        q = p.query
+        assert p.ids[-1] == q.key[0] == p.ids[q.target_position]
+        assert p.ids[q.target_position + 1] == q.answer and vocab.group_of(q.answer) == "values"
+        assert p.ids == eval_set.contexts[p.context].ids + list(q.key)
+
+
+def test_targets_outside_local_window_and_demos_are_other_records(eval_set):
+    lw = eval_set.local_window
+    for c in eval_set.contexts:
+        targets = {q.record for q in c.queries}
+        assert len(targets) == len(c.queries) == (12 if eval_set.protocol == "prefix" else 8)
+        assert not targets & set(c.demo_records) and len(set(c.demo_records)) == 8
+        for q in c.queries:
+            assert q.target_position + 1 <= eval_set.query_position - lw
+        demo_keys = {c.ids[p] for p in range(eval_set.prompt_length - 1 - 16, eval_set.prompt_length - 1, 2)}
+        assert not demo_keys & {q.key[0] for q in c.queries}
+
+
+def test_prompt_is_a_training_sequence(eval_set, vocab):
+    """<bos>, fillers and distinct-key records, fillers, queries repeating records, then the target key."""
+    kinds = {g: set(vocab.group(g)) for g in ("keys", "values", "fillers")}
+    c = eval_set.contexts[5]
+    ids = c.ids + list(c.queries[0].key)
+    assert ids[0] == vocab.bos
+    words = [t for t in ids[1:] if t not in kinds["fillers"]]
+    records, queries = words[:64], words[64:]
+    assert all(records[i] in kinds["keys"] and records[i + 1] in kinds["values"] for i in range(0, 64, 2))
+    table = dict(zip(records[::2], records[1::2]))
+    assert len(table) == 32
+    assert all(table[queries[i]] == queries[i + 1] for i in range(0, 16, 2)) and queries[16] in table
+    tail = ids[c.record_positions[-1] + 2:]
+    assert all(t not in kinds["fillers"] for t in tail[-17:])  # demonstrations and target are contiguous
+
+
+def test_insequence_moves_distractors_prefix_does_not(eval_set):
+    offsets = defaultdict(set)
+    for c in eval_set.contexts:
+        targets = {q.record for q in c.queries}
+        for q in c.queries:
+            for j in (q.record - 1, q.record + 1):
+                if 0 <= j < len(c.record_positions) and j not in targets:
+                    offsets[(c.cluster, q.record, j)].add(c.record_positions[j] - q.target_position)
+    varying = sum(len(v) > 1 for v in offsets.values()) / len(offsets)
+    if eval_set.protocol == "prefix":
+        assert varying == 0.0
+    else:
+        assert varying == 1.0
+        assert sum(len(v) for v in offsets.values()) / len(offsets) > 3  # several distinct offsets each
+
+
+def test_deterministic_in_seed(vocab):
+    a = build_eval_set(vocab, "insequence", n_records=32, n_clusters=3, seed=4)
+    b = build_eval_set(vocab, "insequence", n_records=32, n_clusters=3, seed=4)
+    c = build_eval_set(vocab, "insequence", n_records=32, n_clusters=3, seed=5)
+    assert [x.ids for x in a.contexts] == [x.ids for x in b.contexts]
+    assert [x.ids for x in a.contexts] != [x.ids for x in c.contexts]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_small_sets_keep_means_exact_and_variances_within_bound(vocab, protocol):
+    g = 2 if protocol == "prefix" else 3
+    for per_family in (1, 4):
+        s = build_eval_set(vocab, protocol, n_records=32, n_clusters=g * per_family)
+        stats = s.matching_stats()
+        variances = [x["variance"] for x in stats["per_group"]]
+        assert stats["max_mean_gap"] == 0.0 and not s.settings["exact_matching"]
+        assert max(variances) - min(variances) <= 2 * R / per_family  # K = per_family pairs per residue
+    assert stats["max_variance_rel_gap"] < 0.025
+
+
+def test_multi_token_records_match_exactly(vocab):
+    s = build_eval_set(vocab, "prefix", n_records=32, key_tokens=2, value_tokens=2, stride=4)
+    stats = s.matching_stats()
+    assert stats["max_mean_gap"] == 0.0 and stats["max_variance_rel_gap"] == 0.0
+    q = s.queries()[0]
+    prompt = s.prompts()[0].ids
+    assert len(q.key) == 2 and prompt[-2:] == list(q.key) == prompt[q.target_position:q.target_position + 2]
+    assert prompt[q.target_position + 2] == q.answer
+
+
+def test_bad_configurations_raise(vocab):
+    with pytest.raises(ValueError, match="residue_modulus"):
+        build_eval_set(vocab, "prefix", stride=5)
+    with pytest.raises(ValueError, match="'prefix', 'insequence'"):
+        build_eval_set(vocab, "suffix")
+    with pytest.raises(ValueError, match="n_clusters"):
+        build_eval_set(vocab, "prefix", n_clusters=3)
+    with pytest.raises(ValueError, match="targets_per_context"):
+        build_eval_set(vocab, "prefix", targets_per_context=5)
+    with pytest.raises(ValueError, match="insequence_gap"):
+        build_eval_set(vocab, "insequence", insequence_gap=0)
+    with pytest.raises(ValueError, match="local window"):  # no record can clear a 200-token window
+        build_eval_set(vocab, "prefix", n_records=32, local_window=200)
+
+
+def test_describe_is_readable(eval_set, vocab):
+    text = eval_set.describe(3)
+    head, body = text.split("\n")
+    q = eval_set.queries()[3]
+    assert f"position {q.target_position}" in head and f"residue {q.residue} mod 24" in head
+    assert body.endswith(f"{vocab.decode(q.key)} -> {vocab.decode([q.answer])}")
+    assert f"[{vocab.decode(q.key)} {vocab.decode([q.answer])}]" in body
+    assert body.startswith("<bos>") and "<pad>" not in body

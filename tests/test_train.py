@@ -1,0 +1,136 @@
+"""Trainer: loss falls, resume reproduces an uninterrupted run exactly, DDP matches one process,
+checkpoints fail loudly when damaged, a non-finite loss stops the run and keeps the last checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import phasekv.train as train_mod
+from phasekv.checkpoint import load_checkpoint
+from phasekv.train import Experiment, read_metrics, train
+
+TINY = {
+    "model": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, compressor="gated", window=4, stride=4, local_window=4,
+                  max_position_embeddings=128),
+    "data": dict(n_records=8, n_queries=8, prefix_max=7, outer_max=3, local_window=4, background_fraction=0.25),
+    "train": dict(steps=6, batch_size=8, lr=1e-2, warmup_steps=1, log_every=1, eval_every=3, eval_sequences=16,
+                  checkpoint_every=3, seed=3),
+}
+
+
+def experiment(**train_overrides) -> Experiment:
+    tree = json.loads(json.dumps(TINY))
+    tree["train"].update(train_overrides)
+    return Experiment.from_tree(tree)
+
+
+def losses(run: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(run)]
+
+
+def test_loss_falls(tmp_path):
+    train(experiment(steps=40, eval_every=40, checkpoint_every=40, lr=1e-2, warmup_steps=4), tmp_path / "r",
+          progress=False)
+    values = losses(tmp_path / "r")
+    assert sum(values[-5:]) / 5 < 0.8 * sum(values[:5]) / 5
+    model, config = load_checkpoint(tmp_path / "r")
+    assert config.compressor == "gated" and not model.training
+
+
+def test_resume_after_kill_reproduces_losses(tmp_path, monkeypatch):
+    train(experiment(), tmp_path / "full", progress=False)
+    original = train_mod.TrainingStream.batch
+
+    def dies_at_step_4(self, step, batch_size):
+        if step == 4:
+            raise KeyboardInterrupt  # the process is killed after the step-3 checkpoint
+        return original(self, step, batch_size)
+
+    monkeypatch.setattr(train_mod.TrainingStream, "batch", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(experiment(), tmp_path / "killed", progress=False)
+    monkeypatch.setattr(train_mod.TrainingStream, "batch", original)
+    assert (tmp_path / "killed" / "latest").read_text().strip() == "step_000003"
+    train(experiment(), tmp_path / "killed", resume=True, progress=False)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")  # exact, not approximately
+    a = (tmp_path / "full" / "checkpoints" / "step_000006" / "model.safetensors").read_bytes()
+    b = (tmp_path / "killed" / "checkpoints" / "step_000006" / "model.safetensors").read_bytes()
+    assert a == b
+    assert sorted(p.name for p in (tmp_path / "killed" / "gates").iterdir()) == [
+        "step_000003.safetensors", "step_000006.safetensors"]
+
+
+def test_existing_run_needs_resume(tmp_path):
+    train(experiment(steps=3, checkpoint_every=3), tmp_path / "r", progress=False)
+    with pytest.raises(ValueError, match="--resume"):
+        train(experiment(steps=3, checkpoint_every=3), tmp_path / "r", progress=False)
+
+
+def test_non_finite_loss_stops_and_keeps_checkpoint(tmp_path, monkeypatch):
+    original = train_mod.token_losses
+    calls = {"n": 0}
+
+    def nan_after_four(model, ids, labels):
+        calls["n"] += 1
+        out = original(model, ids, labels)
+        return out * float("nan") if calls["n"] > 4 else out
+
+    monkeypatch.setattr(train_mod, "token_losses", nan_after_four)
+    with pytest.raises(ValueError, match="non-finite.*step_000003"):
+        train(experiment(), tmp_path / "r", progress=False)
+    model, _ = load_checkpoint(tmp_path / "r")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_damaged_checkpoints_give_clear_errors(tmp_path):
+    train(experiment(steps=3, checkpoint_every=3), tmp_path / "r", progress=False)
+    ck = tmp_path / "r" / "checkpoints" / "step_000003"
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        load_checkpoint(tmp_path / "r")
+    (ck / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        load_checkpoint(ck)
+    (ck / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_checkpoint(ck)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("section, key", [("model", "windw"), ("train", "stepz"), ("data", "n_recordz")])
+def test_unknown_keys_are_named(section, key):
+    tree = json.loads(json.dumps(TINY))
+    tree[section][key] = 1
+    with pytest.raises(ValueError, match=f"{section}.{key}"):
+        Experiment.from_tree(tree)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    train(experiment(steps=3, checkpoint_every=3), tmp_path / "a", progress=False)
+    train(experiment(steps=3, checkpoint_every=3, grad_accum=2), tmp_path / "b", progress=False)
+    for x, y in zip(losses(tmp_path / "a"), losses(tmp_path / "b")):
+        assert x == pytest.approx(y, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "steps": 3, "checkpoint_every": 3,
+                                                     "threads": 1}}))
+    train(Experiment.from_file(cfg), tmp_path / "one", progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+           "-m", "phasekv.cli", "train", str(cfg), "--out", str(tmp_path / "two"), "--no-progress"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for x, y in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+        assert x == pytest.approx(y, rel=1e-4)
