@@ -51,6 +51,17 @@ def test_every_pair_is_shown_at_every_shift_once(eval_set):
         assert [p - s for s, p in shows] == [pos[0]] * R  # position = base + shift
 
 
+def test_shifts_of_a_cluster_differ_only_in_where_the_fillers_sit(eval_set, vocab):
+    fillers = set(vocab.group("fillers"))
+    by_cluster = defaultdict(set)
+    for c in eval_set.contexts:
+        words = tuple(t for t in c.ids if t not in fillers)
+        filler_words = tuple(t for t in c.ids if t in fillers)
+        by_cluster[c.cluster].add((words, filler_words, tuple(c.demo_records)))
+    assert len(by_cluster) == len(eval_set.contexts) // R
+    assert all(len(v) == 1 for v in by_cluster.values())
+
+
 def test_fixed_query_position_and_answers(eval_set, vocab):
     length = eval_set.prompt_length
     assert eval_set.query_position == length - 1

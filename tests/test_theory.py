@@ -18,7 +18,9 @@ from phasekv.theory.flow import (
     chance_collision_rate,
     collision_rate,
     content_spread,
+    effective_offsets,
     final_positions,
+    gate_probabilities,
     train_gates,
 )
 from phasekv.theory.model import (
@@ -44,10 +46,16 @@ from phasekv.theory.optimum import (
     reference_project_to_simplex,
     theorem1_check,
 )
-from phasekv.theory.run import run_theory
+from phasekv.theory.run import run_theory, single_thread
 
 BASE = TheoryConfig(chunks=4, stride=4, vocab=32, heads=2, gamma=4.0, beta=2.0)
 TINY = TheoryConfig(chunks=2, stride=3, vocab=6, heads=2, gamma=4.0, beta=2.0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():  # tiny tensors: threads only add contention on a shared machine
+        yield
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -98,9 +106,10 @@ def test_fast_losses_match_the_loop_reference_for_every_query():
             assert fast[l_star, r_star].item() == pytest.approx(ref, abs=1e-10)
 
 
-def test_closed_form_equals_enumeration_over_all_contexts():
+@pytest.mark.parametrize("vocab", [6, 7])  # N = LS, and N > LS (one token outside every context)
+def test_closed_form_equals_enumeration_over_all_contexts(vocab):
     gen = _gen(2)
-    cfg = dataclasses.replace(TINY, vocab=7)  # N > LS: one token stays outside every context
+    cfg = dataclasses.replace(TINY, vocab=vocab)
     pk, pv = random_simplex((cfg.heads,), cfg.stride, gen), random_simplex((cfg.heads,), cfg.stride, gen)
     closed = closed_form_losses(pk, pv, cfg)
     enumerated = enumerated_loss(cfg, make_embeddings(cfg), static_assignment(pk, pv))
@@ -152,8 +161,9 @@ def test_simplex_projection_matches_bisection_reference():
 
 @pytest.mark.parametrize("eps", [0.0, 0.05])
 def test_theorem1_enumerated_optimum_is_one_hot_adjacent_and_distinct(eps):
-    cfg = TheoryConfig(chunks=2, stride=4, vocab=16, heads=2, gamma=4.0, beta=2.0, eps=eps)
-    s, _ = theorem1_check(cfg, seed=0, restarts=8, steps=300, lr=0.5, n_random=500)
+    # N = 24: well inside the small-beta regime (near its edge, N = 16, descent stalls at split points)
+    cfg = TheoryConfig(chunks=2, stride=4, vocab=24, heads=2, gamma=4.0, beta=2.0, eps=eps)
+    s, _ = theorem1_check(cfg, seed=0, restarts=16, steps=300, lr=0.5, n_random=500)
     assert s["n_assignments"] == 16**4
     assert s["optimal_all_adjacent"]
     if eps == 0:
@@ -161,8 +171,10 @@ def test_theorem1_enumerated_optimum_is_one_hot_adjacent_and_distinct(eps):
         assert s["n_optimal"] == math.perm(cfg.stride - 1, cfg.heads) ** cfg.chunks  # ordered distinct per chunk
         assert s["best_collided_loss"] > s["optimal_loss"] + 0.05
     assert s["best_nonadjacent_loss"] > s["optimal_loss"] + 0.05
-    # continuous descent over the oracle class cannot beat it and lands exactly on a one-hot optimum
-    assert s["descent_gap"] >= -1e-9 and s["descent_gap"] < 1e-6
+    # continuous descent over the oracle class cannot beat it and ends on a one-hot adjacent point: the
+    # optimum itself at eps = 0; at eps > 0 the tie between the distinct assignments breaks by O(eps), and
+    # descent may settle on one of the others
+    assert s["descent_gap"] >= -1e-9 and s["descent_gap"] < (1e-6 if eps == 0 else 0.01)
     assert s["descent_min_max_coefficient"] > 0.999 and s["descent_adjacent"]
     assert s["random_min_loss"] > s["optimal_loss"]
     assert s["smoothed_increasing"]
@@ -177,6 +189,31 @@ def test_theorem1_needs_small_beta_when_heads_cannot_cover_every_position():
 
 
 # ---------------------------------------------------------------- Theorem 2
+
+
+def test_log_linear_gates_match_a_loop_reference():
+    gen = _gen(6)
+    c = torch.randn((1, 2, BASE.heads, BASE.stride, BASE.dim), generator=gen, dtype=DTYPE)
+    x = make_embeddings(BASE)[sample_contexts(BASE, 3, gen)][None]  # (1, B, L, S, d)
+    pk, pv = gate_probabilities(c, x)
+    for b in range(3):
+        for h in range(BASE.heads):
+            for l in range(BASE.chunks):
+                for branch, p in enumerate((pk, pv)):
+                    logits = [float(c[0, branch, h, r] @ x[0, b, l, r]) for r in range(BASE.stride)]
+                    z = sum(math.exp(v) for v in logits)
+                    for r in range(BASE.stride):
+                        assert p[0, b, h, l, r].item() == pytest.approx(math.exp(logits[r]) / z, abs=1e-12)
+
+
+def test_effective_offsets_separate_static_from_per_window_concentration():
+    eye = torch.eye(BASE.stride, dtype=DTYPE)
+    uniform = torch.full((1, 4, 1, 1, BASE.stride), 1 / BASE.stride, dtype=DTYPE)  # (R, B, m, L, S)
+    fixed = eye[2].expand(1, 4, 1, 1, -1)
+    moving = torch.stack([eye[0], eye[1], eye[0], eye[1]]).view(1, 4, 1, 1, -1)  # one-hot, two offsets
+    for p, static, window in ((uniform, 4.0, 4.0), (fixed, 1.0, 1.0), (moving, 2.0, 1.0)):
+        s, w = effective_offsets(p)
+        assert s.item() == pytest.approx(static) and w.item() == pytest.approx(window)
 
 
 def test_theorem2_every_head_concentrates_on_one_adjacent_pair():
@@ -239,7 +276,6 @@ def test_bad_positions_raise():
 
 @pytest.mark.slow
 def test_run_theory_quick_writes_summary_and_figures(tmp_path):
-    torch.set_num_threads(1)
     start = time.perf_counter()
     summary = run_theory(tmp_path, seed=0, quick=True)
     assert time.perf_counter() - start < 30
@@ -254,6 +290,13 @@ def test_run_theory_quick_writes_summary_and_figures(tmp_path):
     prob = summary["retrieval"]["trained_prob_by_position"]
     assert max(prob) > 4 * min(prob)  # phase dependence at the trained solution
     assert np.isfinite(summary["theorem2"]["final_loss"])
+
+
+def test_run_theory_rejects_a_file_as_out_dir(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("")
+    with pytest.raises(ValueError, match="--out"):
+        run_theory(target, quick=True)
 
 
 def test_cli_parser_sets_func():

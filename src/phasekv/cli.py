@@ -15,6 +15,8 @@ import sys
 COMMAND_MODULES = [
     "phasekv.demo",
     "phasekv.train",
+    "phasekv.evaluate.cli",
+    "phasekv.theory.cli",
 ]
 
 

@@ -38,6 +38,12 @@ marks the first-value-token positions, where lookup accuracy is measured.  Backg
 `background_successors` successors with Dirichlet(1) probabilities, fixed by `chain_seed`), every
 next token supervised.  Each example is a background example with probability background_fraction.
 
+The o fillers are the training counterpart of the evaluation protocols' outer fillers (between the
+records and the demonstrations); outer_max = 0 gives the prototype's format.  The default
+gap_fillers = 0 keeps records contiguous, so in-sequence evaluation prompts (about one filler per
+record between the records) lie outside the trained layout; gap_fillers ~ n_records * insequence_gap
+trains on it.
+
 Determinism and sharding: example i of the stream is a pure function of (seed, i).  The global batch
 of step s is examples s * B * world_size + [0, B * world_size) (B = per-rank batch size); rank r
 takes the contiguous slice r * B + [0, B).  So 2 ranks with batch B see exactly the examples of one
@@ -119,7 +125,7 @@ class DataConfig:
 
 def outside_local_window(source_end: int, query_position: int, local_window: int) -> bool:
     """True iff position `source_end` lies outside the raw window of `query_position` (see module doc)."""
-    return source_end < query_position - local_window
+    return source_end <= query_position - local_window
 
 
 class Layout(NamedTuple):

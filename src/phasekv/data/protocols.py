@@ -19,9 +19,11 @@ the query position is fixed; positions count every token, <bos> at 0):
                shift, so the distractors around a target move relative to it.  Targets of one
                context keep their mutual offsets.
 The shift s runs over 0..R-1; f in [0, g) is the cluster's family offset (below);
-E = (g - 1) + (R - 1) + gap * N fillers in all (gap = 0 for prefix).
+E = (g - 1) + (R - 1) + gap * N fillers in all (gap = 0 for prefix).  So prefix fillers and outer
+fillers each range over 0..R+g-2: 0..24 for 2-token records, one token beyond the training default
+prefix_max = outer_max = 23 (the g - 1 extra tokens let records start at every residue mod g).
 
-Position matching, by construction.  A cluster is one logical example (records, their order,
+Position matching, by construction.  A cluster is one logical example (records, their order, filler words,
 demonstrations, targets).  Each (cluster, target) pair has a base position b (its key position at
 s = 0) and is shown at every shift s = 0..R-1, at b + s; so every residue group (position mod R)
 holds every pair exactly once: the groups contain the same logical examples and differ only in
@@ -32,15 +34,19 @@ each base residue rho ("balanced", n = R K pairs per group), elementary algebra 
     var_r  = var_{R-1} + (2 / K) * S_r,   S_r = sum_{rho > r} (Sigma_rho - mean_rho' Sigma_rho')
 
 where Sigma_rho is the sum of the bases of residue rho.  So means are always equal, and variances
-are equal iff all residue classes of bases have the same sum.  Each base of class rho is = rho mod R,
-so Sigma_rho = K rho (mod R): equal sums need R | K, i.e. n = R^2 pairs per group (576 at R = 24).
-That size is unavoidable up to a factor 2: for ANY design with equally weighted prompts, equal means
-need R | n and equal variances need R^2 / 2 | n (write the group-g positions as g + R m and demand
-equal sums of p and p^2; the conditions for g = 0, 1, 2 force 2 n = 0 mod R^2).  The full sweep pays
-the factor 2 for identical logical examples in every group.  The class sums are chosen so that
-every partial sum S_r lies in [-R/2, R/2] (exactly 0 when R | K): with fewer prompts (R not
-dividing K) the means stay exactly equal and the variances differ by at most 2 R / K (position^2).
-`EvalSet.matching_stats()` measures both with exact integer arithmetic.
+are equal iff all residue classes of bases have the same sum.  The bases of one class are spaced by
+P = lcm(w, R) (w: record pitch, below; P = R whenever w divides R, as with every default), so
+Sigma_rho = K b0_rho (mod P), b0_rho the class's first base; with P = R, equal sums need R | K, i.e.
+n = R^2 pairs per group (576 at R = 24).  That size is unavoidable up to a factor 2: for ANY design
+with equally weighted prompts, equal means need R | n and equal variances need R^2 / 2 | n (write the
+group-g positions as g + R m and demand equal sums of p and p^2; the conditions for g = 0, 1, 2
+force 2 n = 0 mod R^2).  The full sweep pays the factor 2 for identical logical examples in every
+group.  The class sums are set on their lattices (the best of the R possible common levels, then
+greedily from the top residue down) so that every |S_r| <= P / 2, and S_r = 0 when the lattices
+share a level: with fewer prompts the means stay exactly equal and the variances differ by at most
+2 P / K (position^2; 2 R / K when P = R).
+Phase groups (mod S, S | R) pool R / S residue groups of equal size, mean and variance, so they
+match as well.  `EvalSet.matching_stats()` measures both with exact integer arithmetic.
 
 Realizing the bases.  In the base layout (s = 0) record i starts at 1 + f + w i, w = record length
 (+ gap for insequence).  With g = gcd(w, R) a cluster's bases all have residues = 1 + f (mod g), so
@@ -49,8 +55,9 @@ classes of its family (targets_per_context = t R / g).  Record i of family f lie
 by i mod (R / g); within a class, the record indices i = i_rho + (R / g) q are chosen (q spread as
 evenly as possible over the records that are valid at every shift, distinct within a cluster) so
 that the class sum is the designed one.  K = (n_clusters / g) t.  Defaults: targets_per_context =
-R / g and n_clusters = g R, so K = R: exact matching, 576 prompts per residue group at R = 24
-(prefix, 2-token records: 48 clusters x 24 shifts = 1152 contexts of 12 queries).
+R / g and n_clusters = the smallest multiple of g that makes the matching exact (g R when w divides R):
+576 prompts per residue group at R = 24; with 2-token records, prefix: 48 clusters x 24 shifts =
+1152 contexts of 12 queries; insequence (gap 1, w = 3, g = 3): 72 x 24 = 1728 contexts of 8 queries.
 
 Local window: every target record ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
@@ -135,6 +142,8 @@ class EvalSet:
         (ddof 0) of the target position, computed exactly; gaps: max - min of the means, and
         (max - min) / mean of the variances."""
         modulus = modulus or self.residue_modulus
+        if self.residue_modulus % modulus:
+            raise ValueError(f"modulus: {modulus} does not divide residue_modulus {self.residue_modulus}")
         n, s1, s2 = [0] * modulus, [0] * modulus, [0] * modulus
         for q in self.queries():
             r = q.target_position % modulus
@@ -156,9 +165,14 @@ class EvalSet:
 
     def describe(self, i: int) -> str:
         """Readable text of flat prompt i: the target record in [brackets], then 'key -> answer'."""
-        prompt = self.prompts()[i]
-        q = prompt.query
-        context = self.contexts[prompt.context]
+        rest = i
+        for context in self.contexts:
+            if rest < len(context.queries):
+                break
+            rest -= len(context.queries)
+        else:
+            raise IndexError(f"prompt index {i} out of range")
+        q = context.queries[rest]
         words = self.vocab.decode(context.ids).split(" ")
         end = q.target_position + self.settings["key_tokens"] + self.settings["value_tokens"] - 1
         words[q.target_position] = "[" + words[q.target_position]
@@ -176,9 +190,9 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                    value_tokens: int = 1, insequence_gap: int = 1, seed: int = 0) -> EvalSet:
     """The prompt set of one padding protocol (see the module docstring for the construction).
 
-    n_clusters defaults to g * R and targets_per_context to R / g (g = gcd(pitch, R)), which makes
-    the matching of target-position means and variances exact.  insequence_gap: mean fillers per
-    record in the in-sequence layout (ignored by prefix).
+    targets_per_context defaults to R / g (g = gcd(record pitch, R)) and n_clusters to the smallest
+    count that makes the matching of target-position means and variances exact (g R when the pitch
+    divides R).  insequence_gap: fillers per record in the in-sequence layout (ignored by prefix).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol: unknown {protocol!r}; choose one of {PROTOCOLS}")
@@ -233,13 +247,14 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
         keys, values = sample_records(rng, vocab, n_records, key_tokens, value_tokens)
         others = np.setdiff1d(np.arange(n_records), target_records)
         demos = rng.choice(others, size=n_demos, replace=False).tolist()
+        fillers = filler_tokens(rng, vocab, fillers_total)  # the same words, in order, at every shift
         for s in range(R):
-            rng_s = np.random.default_rng([seed, tag, _CONTEXT, c, s])
             if protocol == "prefix":
                 gaps = [f + s] + [0] * (n_records - 1) + [fillers_total - f - s]
             else:
-                gaps = _insequence_gaps(rng_s, target_records, n_records, f + s, gap, fillers_total)
-            layout = assemble(vocab.bos, keys, values, gaps, filler_tokens(rng_s, vocab, fillers_total), demos)
+                gaps = _insequence_gaps(np.random.default_rng([seed, tag, _CONTEXT, c, s]), target_records,
+                                        n_records, f + s, gap, fillers_total)
+            layout = assemble(vocab.bos, keys, values, gaps, fillers, demos)
             queries = []
             for i in target_records:
                 pos = layout.record_positions[i]

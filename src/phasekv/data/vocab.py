@@ -31,7 +31,7 @@ ferret weasel mink skunk raccoon possum seal walrus whale dolphin shark salmon t
 shrimp squid octopus snail frog toad newt lizard gecko iguana snake cobra turtle tortoise crocodile
 eagle hawk falcon owl crow raven robin sparrow finch parrot pigeon swan goose duck heron stork pelican
 penguin ostrich emu bee wasp ant beetle moth spider
-""".split()
+"""
 
 _NAMES = """
 Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Leo Maria Nathan Olivia Peter Quinn
@@ -39,12 +39,12 @@ Rachel Sam Tina Umar Vera Walter Xena Yusuf Zoe Adam Bella Carl Diana Ethan Fion
 Julia Kevin Laura Mark Nina Oscar Paula Ray Sara Tom Ursula Victor Wendy Yara Zack Amir Beth Chris
 Dora Eric Flora Gavin Helen Igor Jane Kyle Lucy Mike Nora Omar Pia Rosa Simon Tara Uma Vince Will Yuki
 Zara Anna Ben Clara Dan Elsa Felix
-""".split()
+"""
 
 _FILLERS = """
 um uh er erm hmm mhm ah oh so well like okay alright anyway actually basically literally honestly
 yeah right hey huh ooh meh
-""".split()
+"""
 
 _BACKGROUND = """
 the a of and to in is was it for on with as at by from this that they we you he she are were be has
@@ -53,9 +53,10 @@ time day year way thing place world house city water road book table door window
 stone light night morning evening work word song story letter garden market school friend family
 child people go come make take give find walk read write sing open close bring keep hold turn leave
 went said under over near after before
-""".split()
+"""
 
-_BASE = {"keys": _ANIMALS, "values": _NAMES, "fillers": _FILLERS, "background": _BACKGROUND}
+_BASE = {g: text.split() for g, text in
+         {"keys": _ANIMALS, "values": _NAMES, "fillers": _FILLERS, "background": _BACKGROUND}.items()}
 
 
 def _words(base: Sequence[str], n: int) -> list[str]:

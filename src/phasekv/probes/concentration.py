@@ -19,14 +19,48 @@ def entropy(p: torch.Tensor, dim: int) -> torch.Tensor:
     return -(p * torch.log(p.clamp_min(1e-30))).sum(dim)
 
 
+class Accumulator:
+    """Streaming `concentration` and `profile` over batches of windows of one gate.
+
+    Keeps the sum over windows of alpha (W, G) and of exp(H(alpha)) (G,), so windows from many
+    prompts never have to be held at once; the result equals `concentration` on their concatenation.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sum_alpha: torch.Tensor | None = None  # (W, G)
+        self.sum_effective: torch.Tensor | None = None  # (G,)
+
+    def add(self, alpha: torch.Tensor) -> Accumulator:
+        """alpha (N windows, W offsets, G channels) or (N, W)."""
+        if alpha.dim() == 2:
+            alpha = alpha[..., None]
+        alpha = alpha.detach().double().cpu()
+        sums = (alpha.sum(0), torch.exp(entropy(alpha, dim=1)).sum(0))
+        if self.sum_alpha is None:
+            self.sum_alpha, self.sum_effective = sums
+        else:
+            self.sum_alpha, self.sum_effective = self.sum_alpha + sums[0], self.sum_effective + sums[1]
+        self.n += alpha.shape[0]
+        return self
+
+    def concentration(self) -> tuple[float, float]:
+        """(static, per-window) effective numbers of offsets, averaged over channels."""
+        if not self.n:
+            raise ValueError("concentration: no windows were added (prompts shorter than the window?)")
+        static = torch.exp(entropy(self.sum_alpha / self.n, dim=0)).mean()  # (G,) -> mean over channels
+        return float(static), float((self.sum_effective / self.n).mean())
+
+    def profile(self) -> list[float]:
+        """Mean gate weight per offset (averaged over windows and channels)."""
+        if not self.n:
+            raise ValueError("profile: no windows were added")
+        return [float(x) for x in (self.sum_alpha / self.n).mean(1)]
+
+
 def concentration(alpha: torch.Tensor) -> tuple[float, float]:
     """alpha (N windows, W offsets, G channels) -> (static, per-window) effective numbers of offsets."""
-    if alpha.dim() == 2:
-        alpha = alpha[..., None]
-    alpha = alpha.double()
-    static = torch.exp(entropy(alpha.mean(0), dim=0)).mean()  # (G,) -> mean over channels
-    per_window = torch.exp(entropy(alpha, dim=1)).mean(0).mean()
-    return float(static), float(per_window)
+    return Accumulator().add(alpha).concentration()
 
 
 def concentration_reference(alpha: torch.Tensor) -> tuple[float, float]:
@@ -47,6 +81,4 @@ def concentration_reference(alpha: torch.Tensor) -> tuple[float, float]:
 
 def profile(alpha: torch.Tensor) -> list[float]:
     """Mean gate weight per offset (averaged over windows and channels)."""
-    if alpha.dim() == 2:
-        alpha = alpha[..., None]
-    return [float(x) for x in alpha.double().mean(dim=(0, 2))]
+    return Accumulator().add(alpha).profile()

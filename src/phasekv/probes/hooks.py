@@ -1,9 +1,18 @@
 """Named hook points as context managers that always restore the model (STYLE.md 6).
 
-Both hook kinds sit on the input of each layer's `o_proj`, i.e. the per-head attention outputs
+The o_proj hooks sit on the input of each layer's `o_proj`, i.e. the per-head attention outputs
 before the output projection, laid out (B, T, H * D) with query head h in dims h*D .. (h+1)*D-1.
 That module exists with that meaning in phasekv models and in HF Qwen3 / Llama models alike.
 Query head h reads KV head h // (H / KVH) (grouped-query attention, as HF's `repeat_kv`).
+
+They act at the final position of a forward, which is the query position of a full prompt and of
+a query continuation, but NOT of a context prefill (its final position is the last context token,
+and changing it there would change the cache every query reads).  `QueryOnly` wraps an adapter so
+that its prefill forwards are invisible to the hooks of this module; pass the wrapper to both the
+hook and the runner (`phasekv.evaluate.runner.predict`) and both evaluation modes act on queries only.
+
+`attention_inputs` captures each compressed layer's attention input, the normalized hidden state h
+that the compressor reads (PAPER.md section 1); `compressed_layers` finds those layers.
 """
 
 from __future__ import annotations
@@ -12,8 +21,37 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from phasekv.evaluate.adapter import Adapter
+
+
+class QueryOnly(Adapter):
+    """`inner` with its prefill forwards hidden from the o_proj hooks of this module (see the docstring)."""
+
+    def __init__(self, inner: Adapter):
+        self.inner, self.info, self.module, self.device = inner, inner.info, inner.module, inner.device
+        self.armed = True  # read by the hooks at call time
+
+    def attention_layers(self) -> list[nn.Module]:
+        return self.inner.attention_layers()
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.logits(ids)
+
+    def prefill(self, ids: torch.Tensor):
+        self.armed = False
+        try:
+            return self.inner.prefill(ids)
+        finally:
+            self.armed = True
+
+    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        return self.inner.continue_from(cache, ids, repeats)
+
+
+def _armed(adapter: Adapter) -> bool:
+    return getattr(adapter, "armed", True)
 
 
 def heads_of_kv(adapter: Adapter, kv_head: int | None) -> list[int]:
@@ -35,7 +73,8 @@ def capture_final_head_outputs(adapter: Adapter) -> Iterator[list[list[torch.Ten
     try:
         for i, attn in enumerate(adapter.attention_layers()):
             def hook(module, args, i=i):
-                captured[i].append(args[0][:, -1].detach().float().cpu())
+                if _armed(adapter):
+                    captured[i].append(args[0][:, -1].detach().float().cpu())
             handles.append(attn.o_proj.register_forward_pre_hook(hook))
         yield captured
     finally:
@@ -44,13 +83,17 @@ def capture_final_head_outputs(adapter: Adapter) -> Iterator[list[list[torch.Ten
 
 
 @contextlib.contextmanager
-def mean_knockout(adapter: Adapter, layer: int, kv_head: int | None, mean: torch.Tensor) -> Iterator[None]:
-    """Replace, at the final position only, the outputs of the query heads reading `kv_head` of
-    `layer` (None: all heads of the layer) by the calibration `mean` (H*D,); nothing else changes."""
+def replace_heads(adapter: Adapter, layer: int, heads: list[int], mean: torch.Tensor) -> Iterator[None]:
+    """Replace, at the final position only, the o_proj input of query `heads` of `layer` by the
+    matching dims of `mean` (H*D,); every other dim and position passes through unchanged."""
+    if not 0 <= layer < adapter.info.num_layers:
+        raise ValueError(f"layer: must be in [0, {adapter.info.num_layers}), got {layer}")
     D = adapter.info.head_dim
-    dims = torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads_of_kv(adapter, kv_head)])
+    dims = torch.tensor([h * D + d for h in heads for d in range(D)], dtype=torch.long)
 
     def hook(module, args):
+        if not _armed(adapter):
+            return None
         x = args[0].clone()
         x[:, -1, dims.to(x.device)] = mean[dims].to(device=x.device, dtype=x.dtype)
         return (x, *args[1:])
@@ -60,3 +103,37 @@ def mean_knockout(adapter: Adapter, layer: int, kv_head: int | None, mean: torch
         yield
     finally:
         handle.remove()
+
+
+def mean_knockout(adapter: Adapter, layer: int, kv_head: int | None,
+                  mean: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """Replace, at the final position only, the outputs of the query heads reading `kv_head` of
+    `layer` (None: all heads of the layer) by the calibration `mean` (H*D,); nothing else changes."""
+    return replace_heads(adapter, layer, heads_of_kv(adapter, kv_head), mean)
+
+
+def compressed_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]:
+    """(layer index, attention module) of every layer with a KV compressor (phasekv models; [] for others)."""
+    if isinstance(model, Adapter):
+        attn = model.attention_layers()
+    else:
+        attn = [layer.self_attn for layer in model.model.layers]
+    return [(i, a) for i, a in enumerate(attn) if getattr(a, "compressor", None) is not None]
+
+
+@contextlib.contextmanager
+def attention_inputs(model: nn.Module | Adapter) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Collect, per compressed layer, the attention module's input h (B, T, hidden) of every forward."""
+    captured: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    try:
+        for i, attn in compressed_layers(model):
+            captured[i] = []
+
+            def hook(module, args, i=i):
+                captured[i].append(args[0].detach())
+            handles.append(attn.register_forward_pre_hook(hook))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,10 +1,10 @@
 """Figures of the theory run (PAPER.md section 5): training, concentration, retrieval, the optimum.
 
-  theory_training.png       loss over training and each head's static p^K(r), p^V(r) (the trajectory
-                            of concentration) for the first run;
+  theory_training.png       loss over training, each head's static p^K(r), p^V(r) (the trajectory of
+                            concentration) for the first run, and how often heads collide against rho;
   theory_concentration.png  effective number of offsets (static exp(H(E[p])), per-window E[exp(H(p))])
-                            over training and the path in the concentration plane of PAPER.md
-                            section 4, ending in the lower-left corner (1, 1);
+                            over training, the path in the concentration plane of PAPER.md section 4
+                            ending in the lower-left corner (1, 1), and concentration speed against kappa;
   theory_retrieval.png      probability of the correct successor by query position at the trained
                             solution, and at the Theorem 1 optimum against m, S, N and eps;
   theory_optimum.png        every enumerated one-hot assignment, random assignments, smoothing, and the
@@ -28,7 +28,7 @@ BRANCH = ("K", "V")
 def _training(out: Path, summary: dict, result: FlowResult) -> str:
     heads = len(result.static_p[0][0][0])
     stride = len(result.static_p[0][0][0][0])
-    fig, axes = plt.subplots(1, heads + 1, figsize=(4.2 * (heads + 1), 3.4))
+    fig, axes = plt.subplots(1, heads + 2, figsize=(4.2 * (heads + 2), 3.4))
     ax = axes[0]
     runs = list(zip(*result.loss))
     for run in runs[1:]:
@@ -36,6 +36,8 @@ def _training(out: Path, summary: dict, result: FlowResult) -> str:
     ax.plot(result.steps, runs[0], color="C0", lw=2, label="run 0")
     ax.axhline(summary["theorem2"]["theorem1_optimum_loss"], color="k", ls="--", lw=1, label="Theorem 1 optimum")
     ax.set(xlabel="step", ylabel="population loss (MC)", title="loss (grey: other seeds)")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(0, result.steps[-1])
     ax.legend(fontsize=8)
     for h in range(heads):
         ax = axes[h + 1]
@@ -44,17 +46,31 @@ def _training(out: Path, summary: dict, result: FlowResult) -> str:
                 ax.plot(result.steps, [p[0][b][h][r] for p in result.static_p], style, color=f"C{r}",
                         label=f"p^{BRANCH[b]}({r})")
         ax.set(xlabel="step", ylabel="E[p] over contexts", ylim=(-0.02, 1.02),
-               title=f"head {h}: r_h = {summary['theorem2']['r_h'][h]}")
+               title=f"run 0, head {h}: r_h = {summary['theorem2']['r_h'][h]}")
+        ax.set_xscale("symlog", linthresh=10)
+        ax.set_xlim(0, result.steps[-1])
         ax.legend(fontsize=7, ncol=2)
+    t2 = summary["theorem2"]
+    rows = [{"rho": t2["flow_config"]["rho"], "collision_rate": t2["collision_rate"], "runs": t2["runs"]},
+            *t2["rho_sweep"]]
+    ax = axes[-1]
+    ax.plot([r["rho"] for r in rows], [r["collision_rate"] for r in rows], "o-", label="trained")
+    ax.axhline(t2["chance_collision_rate"], color="k", ls=":", label="heads pick uniformly")
+    for r in rows:
+        ax.annotate(f"n={r['runs']}", (r["rho"], r["collision_rate"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set(xscale="log", xlabel="initialization radius rho", ylabel="fraction of runs",
+           title="two heads on the same r_h", ylim=(-0.02, max(0.5, t2["chance_collision_rate"] + 0.1)))
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "theory_training.png", dpi=110)
     plt.close(fig)
     return "theory_training.png"
 
 
-def _concentration(out: Path, result: FlowResult) -> str:
+def _concentration(out: Path, summary: dict, result: FlowResult) -> str:
     heads = len(result.eff_static[0][0][0])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.8))
     for h in range(heads):
         for b, style in zip(range(2), ("-", "--")):
             static = [e[0][b][h] for e in result.eff_static]
@@ -65,13 +81,23 @@ def _concentration(out: Path, result: FlowResult) -> str:
             ax2.plot(static, window, style, color=f"C{h}", marker=".", ms=3, label=label)
             ax2.plot(static[-1], window[-1], "o", color=f"C{h}")
     top = max(max(e[0][b][h] for b in range(2) for h in range(heads)) for e in result.eff_static)
-    ax1.set(xlabel="step", ylabel="effective number of offsets", title="concentration over training")
+    ax1.set(xlabel="step", ylabel="effective number of offsets", title="concentration over training (run 0)")
+    ax1.set_xscale("symlog", linthresh=10)
+    ax1.set_xlim(0, result.steps[-1])
     ax1.axhline(1, color="k", lw=0.8)
     ax1.legend(fontsize=6, ncol=2)
     ax2.plot([1, top], [1, top], color="0.6", lw=0.8, ls=":")
     ax2.set(xlabel="static  exp(H(E[p]))", ylabel="per-window  E[exp(H(p))]",
             title="concentration plane (run 0; dot = end)", xlim=(0.9, top + 0.1), ylim=(0.9, top + 0.1))
     ax2.legend(fontsize=7)
+    kappa_rows = summary["theorem2"]["kappa_flow"]
+    for row in kappa_rows:
+        steps = [s for s in row["steps_to_p09"] if s is not None]
+        ax3.plot([row["kappa"]] * len(steps), steps, "o", color="C0", alpha=0.6)
+    ax3.set(xscale="log", xlabel="kappa (common component)", ylabel="steps until every max E[p] > 0.9",
+            title="speed of static concentration")
+    ax3.set_xticks([r["kappa"] for r in kappa_rows], [f"{r['kappa']:g}" for r in kappa_rows])
+    ax3.minorticks_off()
     fig.tight_layout()
     fig.savefig(out / "theory_concentration.png", dpi=110)
     plt.close(fig)
@@ -133,8 +159,10 @@ def _optimum(out: Path, summary: dict, plot: dict) -> str:
     scan = t1["beta_scan"]
     ax.plot([r["beta"] for r in scan], [r["one_hot_optimum"] - r["descent_best"] for r in scan], "o-")
     ax.axhline(0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="beta", ylabel="one-hot optimum - best descent",
+    ax.set(xscale="log", xlabel="beta (unembedding scale)", ylabel="one-hot optimum - best descent",
            title="> 0: a spread assignment beats one-hot")
+    ax.set_xticks([r["beta"] for r in scan], [f"{r['beta']:g}" for r in scan])
+    ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(out / "theory_optimum.png", dpi=110)
     plt.close(fig)
@@ -143,5 +171,5 @@ def _optimum(out: Path, summary: dict, plot: dict) -> str:
 
 def write_figures(out: Path, summary: dict, result: FlowResult, theorem1_plot: dict) -> list[str]:
     """Draw every figure into out; return their file names."""
-    return [_training(out, summary, result), _concentration(out, result), _retrieval(out, summary),
+    return [_training(out, summary, result), _concentration(out, summary, result), _retrieval(out, summary),
             _optimum(out, summary, theorem1_plot)]

@@ -122,6 +122,10 @@ def sample_contexts(cfg: TheoryConfig, n: int, generator: torch.Generator | None
 
 def all_contexts(cfg: TheoryConfig) -> torch.Tensor:
     """Every ordered context (N!/(N-LS)!, L, S); only for tiny N."""
+    count = math.perm(cfg.vocab, cfg.chunks * cfg.stride)
+    if count > 2_000_000:
+        raise ValueError(f"vocab: enumerating {count} ordered contexts is too many; use N, L, S with "
+                         "N!/(N-LS)! <= 2e6")
     ids = torch.tensor(list(itertools.permutations(range(cfg.vocab), cfg.chunks * cfg.stride)))
     return ids.reshape(-1, cfg.chunks, cfg.stride)
 

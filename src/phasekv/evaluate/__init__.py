@@ -1,0 +1,1 @@
+"""Phase-sensitivity evaluation: model adapters, the batched runner, statistics and figures."""

@@ -1,0 +1,91 @@
+"""Hugging Face causal LMs: loading, and a token-exact vocabulary of single-token words.
+
+The lookup prompts need keys, values and fillers that are each exactly ONE token of the model's
+tokenizer (records of k tokens use k such words), so that every position and phase is known.
+`TokenizerVocabulary` tries the phasekv word lists (animals, person names, filler words), each
+with a leading space as it appears in running text, and keeps those the tokenizer encodes as one
+token.  It implements the small part of `phasekv.data.Vocabulary` that the prompt builders use.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from phasekv.data.vocab import _BASE, _words
+from phasekv.evaluate.adapter import HFAdapter
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerVocabulary:
+    """Groups of single-token words of a transformers tokenizer."""
+
+    def __init__(self, tokenizer, need: dict[str, int]):
+        self.tokenizer = tokenizer
+        self._groups: dict[str, list[int]] = {}
+        taken: set[int] = set()
+        for group, n in need.items():
+            found = []
+            for word in _words(_BASE[group], 4 * len(_BASE[group])):
+                ids = tokenizer.encode(" " + word, add_special_tokens=False)
+                if len(ids) == 1 and ids[0] not in taken:
+                    found.append(ids[0])
+                    taken.add(ids[0])
+                if len(found) == n:
+                    break
+            if len(found) < n:
+                raise ValueError(f"tokenizer: only {len(found)} single-token {group} words found, need {n} "
+                                 f"(lower --records / use multi-token records with --key-tokens)")
+            self._groups[group] = found
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise ValueError("tokenizer: has neither a bos nor an eos token to start prompts with")
+        self._groups["specials"] = [bos]
+        self._groups.setdefault("background", [])
+
+    @property
+    def bos(self) -> int:
+        return self._groups["specials"][0]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokenizer)
+
+    def group(self, name: str) -> list[int]:
+        if name not in self._groups:
+            raise ValueError(f"group: unknown {name!r}; known: {sorted(self._groups)}")
+        return list(self._groups[name])
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def to_dict(self) -> dict:
+        return {"groups": {g: [self.tokenizer.decode([i]) for i in ids] for g, ids in self._groups.items()}}
+
+
+def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: str | None = None,
+            stride: int | None = None, local_window: int | None = None):
+    """(HFAdapter, tokenizer) for a local directory or hub name (no download happens offline).
+
+    device_map="auto" spreads a large model over the available GPUs (needs `accelerate`)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ValueError(f"--hf needs transformers ({exc})") from None
+    if not hasattr(torch, dtype):
+        raise ValueError(f"--dtype: unknown torch dtype {dtype!r}")
+    kwargs = {"dtype": getattr(torch, dtype)}
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({str(exc).splitlines()[0]})") from None
+    if not device_map:
+        model = model.to(device)
+    name = Path(path).name or str(path)
+    return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer

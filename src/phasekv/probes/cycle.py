@@ -1,0 +1,137 @@
+"""Gate cycling (PAPER.md section 4): move each gate's preferred offsets by delta and re-evaluate.
+
+For W = S compressors, window j covers positions jS .. jS + S - 1, so offset i IS the phase of its
+token.  Cycling the offset-specific gate parameters by delta,
+    Z~_i = Z_((i - delta) mod W),   b~_i = b_((i - delta) mod W)       (torch.roll(x, delta, 0)),
+with the payload maps C_i fixed, makes the gate favour offset i + delta where it favoured i.  If the
+phase profile of accuracy is set by the gates alone, it moves with them:
+    A_delta(r) ~ A_0((r - delta) mod S).
+The boundary phase S - 1 is excluded from the headline R^2: its weakness comes from the window
+boundary (the successor sits in the next entry), which cycling does not move.
+
+Offset-specific gate parameters are the compressor parameters named `*_gate` and `*_gate_bias`
+whose first dimension is W (one slice per offset); a map shared by all offsets (first dimension 1,
+DeepSeek HCA) is the same after any roll and is left alone.  Payload maps are never touched.
+`cycled_gates` restores the saved parameters bit for bit on exit, exception or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from phasekv.data.protocols import EvalSet
+from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.runner import predict
+from phasekv.probes.hooks import compressed_layers
+from phasekv.probes.knockout import accuracies
+
+log = logging.getLogger(__name__)
+
+
+def cycle_stride(model: nn.Module | Adapter) -> int:
+    """The common S = W of the model's compressed layers; ValueError when cycling is undefined."""
+    layers = compressed_layers(model)
+    if not layers:
+        raise ValueError("gate cycling: the model has no compressed layer")
+    strides = set()
+    for i, attn in layers:
+        c = attn.compressor
+        if c.window != c.stride:
+            raise ValueError(f"gate cycling: needs W = S, but layer {i} has W={c.window}, S={c.stride}")
+        strides.add(c.stride)
+    if len(strides) > 1:
+        raise ValueError(f"gate cycling: compressed layers have different strides {sorted(strides)}")
+    return strides.pop()
+
+
+def offset_gate_parameters(model: nn.Module | Adapter) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every offset-specific gate parameter of the compressed layers."""
+    params = []
+    for i, attn in compressed_layers(model):
+        c = attn.compressor
+        for name, p in c.named_parameters():
+            if not name.endswith(("_gate", "_gate_bias")) or p.shape[0] == 1:
+                continue
+            if p.shape[0] != c.window:
+                raise ValueError(f"gate cycling: layer {i} {name} has {p.shape[0]} slices on dim 0, not W={c.window}")
+            params.append((f"layer {i} {name}", p))
+    return params
+
+
+@contextlib.contextmanager
+def cycled_gates(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
+    """Roll every offset-specific gate parameter by `delta` along the offset dim; restore on exit."""
+    cycle_stride(model)
+    params = [p for _, p in offset_gate_parameters(model)]
+    if not params:
+        raise ValueError("gate cycling: the compressors have no offset-specific gate parameters "
+                         "(uniform averaging has nothing to cycle)")
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.copy_(torch.roll(p, int(delta), 0))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, original in zip(params, saved):
+                p.copy_(original)
+
+
+def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
+    """1 - SS_res / SS_tot about the observed mean; None when the observed values are all equal."""
+    total = float(((observed - observed.mean()) ** 2).sum())
+    return None if total == 0 else 1 - float(((observed - predicted) ** 2).sum()) / total
+
+
+def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = range(-3, 4),
+                out_dir: str | Path | None = None, batch_size: int = 32, progress: bool = True,
+                multi_query: bool = True) -> dict[str, Any]:
+    """Evaluate the model with its gates cycled by each delta and compare to A_0((r - delta) mod S).
+
+    Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases
+    0..S-2), r2_all, mae (mean absolute error over all phases, as a fraction).  With `out_dir`,
+    writes cycling.json and cycling.png.
+    """
+    S = cycle_stride(adapter)
+    if eval_set.stride != S:
+        raise ValueError(f"gate cycling: the eval set's phase stride {eval_set.stride} differs from the "
+                         f"model's S = {S}")
+    deltas = [int(d) for d in deltas]
+    R = eval_set.residue_modulus
+    clean_records = predict(adapter, eval_set, batch_size, multi_query, progress, desc="clean")
+    clean = accuracies(clean_records, S, R)
+    a0 = np.array(clean["per_phase"], dtype=float)
+    rows = []
+    for delta in tqdm(deltas, desc="cycling", unit="delta", disable=not progress):
+        with cycled_gates(adapter, delta):
+            records = predict(adapter, eval_set, batch_size, multi_query, progress, desc=f"delta {delta:+d}")
+        observed = np.array(accuracies(records, S, R)["per_phase"], dtype=float)
+        predicted = a0[(np.arange(S) - delta) % S]
+        row = {"delta": delta, "observed": observed.tolist(), "predicted": predicted.tolist(),
+               "r2_excl_boundary": r_squared(observed[:-1], predicted[:-1]), "r2_all": r_squared(observed, predicted),
+               "mae": float(np.abs(observed - predicted).mean())}
+        if delta == 0:
+            row["matches_clean"] = [r["prediction"] for r in records] == [r["prediction"] for r in clean_records]
+        rows.append(row)
+    result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phase": S - 1,
+              "n_prompts": len(clean_records), "clean": clean, "deltas": rows, "figure": None}
+    if out_dir is not None:
+        from phasekv.probes.figures import plot_cycling
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result["figure"] = str(plot_cycling(result, out / "cycling.png"))
+        (out / "cycling.json").write_text(json.dumps(result, indent=2) + "\n")
+        log.info("wrote %s", out)
+    return result
