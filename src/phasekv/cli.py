@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "phasekv.train",
     "phasekv.evaluate.cli",
     "phasekv.theory.cli",
+    "phasekv.probes.cli",
 ]
 
 

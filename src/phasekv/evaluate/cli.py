@@ -115,9 +115,9 @@ def run_eval_command(args) -> dict[str, Any]:
     if world == 1:
         return evaluate(adapter, eval_set, args.out, args.batch_size, not args.one_by_one, args.seed,
                         progress=not args.no_progress)
-    from phasekv.evaluate.runner import predict, write_run
-
     import torch.distributed as dist
+
+    from phasekv.evaluate.runner import predict, write_run
 
     records = predict(adapter, shard, args.batch_size, not args.one_by_one, progress=rank == 0 and not args.no_progress)
     gathered = [None] * world

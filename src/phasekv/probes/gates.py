@@ -76,7 +76,8 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
             for i, attn in layers:
                 for branch, alpha in attn.compressor.gate_weights(inputs[i][0]).items():  # (B, N, W, KVH, G)
                     for h in range(alpha.shape[3]):
-                        stats.setdefault((i, h, branch), Accumulator()).add(alpha[:, :, :, h].flatten(0, 1))
+                        windows = alpha[:, :, :, h].flatten(0, 1)  # (B*N, W, G)
+                        stats.setdefault((i, h, branch), Accumulator()).add(windows)
     finally:
         model.train(was_training)
     compressors = dict(layers)

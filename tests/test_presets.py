@@ -1,0 +1,42 @@
+"""Every preset in configs/ loads, validates and builds; the paper scale is Qwen3-0.6B-sized."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phasekv import ModelConfig, build_model
+from phasekv.config import load_yaml
+from phasekv.train import Experiment
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-2kv", "w8s8-4kv", "w8s8-8kv",
+         "w8s8-vector", "w8s8-tied", "w8s8-nobias", "w8s8-noqknorm", "w8s8-norope", "w8s8-partrope", "w8s8-tail",
+         "w8s8-uniform", "w8s8-postnorm", "deepseek-style", "deepseek-style-scalar", "deepseek-csa"}
+
+
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+def test_every_sweep_variant_has_a_preset(scale):
+    assert {p.stem for p in (CONFIGS / scale).glob("*.yaml")} == SWEEP
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "cpu").glob("*.yaml")), ids=lambda p: p.stem)
+def test_cpu_presets_build_and_run(path):
+    exp = Experiment.from_file(path)
+    assert ModelConfig(**load_yaml(path)["model"]) == exp.model
+    model = build_model(exp.model)
+    with torch.no_grad():
+        assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, exp.model.vocab_size)
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "paper").glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_presets_are_qwen3_06b_geometry(path):
+    exp = Experiment.from_file(path)
+    with torch.device("meta"):
+        model = build_model(exp.model)
+    n_backbone = sum(p.numel() for n, p in model.named_parameters() if ".compressor." not in n and "sink" not in n)
+    kv = exp.model.num_key_value_heads
+    # Qwen3-0.6B has 596.0M parameters with 8 KV heads; each KV head fewer removes 28 * 2 * 1024 * 128,
+    # and dropping the q/k norms removes 28 * 2 * 128
+    expected = 596_049_920 - (8 - kv) * 28 * 2 * 1024 * 128 - (0 if exp.model.qk_norm else 28 * 2 * 128)
+    assert n_backbone == expected
