@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "phasekv.evaluate.cli",
     "phasekv.theory.cli",
     "phasekv.probes.cli",
+    "phasekv.report.reproduce",
 ]
 
 

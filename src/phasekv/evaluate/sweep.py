@@ -1,0 +1,291 @@
+"""`phasekv sweep`: the shift sweep of a flipping completion (PAPER.md section 3, "Shift sweep").
+
+    phasekv sweep --checkpoint DIR --text "cat Alice dog" --a Alice --b Bob --out OUT
+    phasekv sweep --hf PATH --prefix "<bos>" --filler " the" --text "T.Cast(FP" --a 8 --b 32 --out OUT
+
+For every filler length n = 0..max_filler the prompt is
+
+    prefix + n x filler + text            (every token real: no padding, see DESIGN.md)
+
+and the two candidate continuations a and b are scored after it by teacher forcing: P(a), P(b) are
+the probabilities of their FIRST tokens at the prompt's last position, logp_a, logp_b the summed
+log-probabilities of all their tokens (equal to log P(a), log P(b) for one-token candidates).  The
+ranking of the two completions is the larger full log-probability; the signal whose period is
+detected and plotted is diff = P(a) - P(b).  The paper: DeepSeek-V4-Flash-Base flips between `8` and
+`32` completing `T.Cast(FP` with period 4 (its compression stride), 60 of 64 rankings.
+
+Period rule (`detect_signal_period`): for each candidate period p = 1..min(max_period, N // 2) (N
+signal values, so every class holds at least two), the signal is folded mod p, each class n mod p
+is fit by its mean, and the residual sum of squares scores p with the Gaussian BIC
+
+    BIC(p) = N log(RSS(p) / N) + p log N
+
+(RSS floored at 1e-12 of the total sum of squares about the mean, so an exactly periodic or
+constant signal has a finite score).  The smallest BIC wins; ties go to the smaller p.  A period-4
+signal is also fit by p = 8, 12, ... but they pay for their extra means, so 4 wins; pure noise
+gives 1.
+
+Agreement with the periodic pattern: each class n mod p gets the majority ranking of its lengths
+(an even split goes to the sign of the class's mean log-probability difference); a length agrees
+when its ranking equals its class's.  With p = 1 this counts the overall majority.
+
+Every length is its own forward pass (prompt lengths differ, and left padding would shift every
+position); the inputs prompt + a[:-1] and prompt + b[:-1] share one pass when they have equal length
+and one row when they are equal (one-token candidates).  Writes sweep.json and sweep.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from numpy.typing import ArrayLike
+from tqdm import tqdm
+
+from phasekv.evaluate.adapter import Adapter
+
+log = logging.getLogger(__name__)
+
+PERIOD_CRITERION = "Gaussian BIC N log(RSS/N) + p log N of the signal folded mod p (class means)"
+
+
+def detect_signal_period(signal: ArrayLike, max_period: int = 16) -> tuple[int, dict[int, float]]:
+    """The period p of a real signal x[0..N-1] by the Gaussian BIC rule of the module docstring.
+
+    Candidates p = 1..min(max_period, N // 2).  Returns the period and, per candidate, BIC(p) minus
+    the smallest BIC (0 for the winner, larger is worse).
+    """
+    x = np.asarray(signal, dtype=float)
+    if x.ndim != 1 or len(x) < 2 or not np.all(np.isfinite(x)):
+        raise ValueError(f"signal: needs a 1-D array of at least 2 finite values, got shape {x.shape}")
+    if max_period < 1:
+        raise ValueError(f"max_period: must be >= 1, got {max_period}")
+    N = len(x)
+    floor = 1e-12 * float(np.sum((x - x.mean()) ** 2)) + 1e-300
+    bic = {}
+    for p in range(1, min(max_period, N // 2) + 1):
+        rss = float(np.sum((x - _class_means(x, p)[np.arange(N) % p]) ** 2))
+        bic[p] = N * np.log(max(rss, floor) / N) + p * np.log(N)
+    best = min(bic.values())
+    period = min(p for p, b in bic.items() if b <= best + 1e-9 * max(1.0, abs(best)))
+    return period, {p: float(b - best) for p, b in bic.items()}
+
+
+def periodic_agreement(choices: Sequence[str], score: ArrayLike, period: int) -> tuple[list[str], int]:
+    """(pattern, agreement): the majority ranking ("a"/"b") of each class n mod period, and how many
+    lengths n rank as their class does.  An even split takes the sign of the class mean of `score`
+    (logp_a - logp_b); a tie ("tie" choice) never agrees."""
+    s = np.asarray(score, dtype=float)
+    pattern = []
+    for c in range(period):
+        members = [choices[n] for n in range(c, len(choices), period)]
+        n_a, n_b = members.count("a"), members.count("b")
+        pattern.append("a" if n_a > n_b or (n_a == n_b and s[c::period].mean() >= 0) else "b")
+    agreement = sum(choice == pattern[n % period] for n, choice in enumerate(choices))
+    return pattern, agreement
+
+
+def continuation_logprobs(adapter: Adapter, prompt: Sequence[int],
+                          candidates: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Per candidate, log P(token k | prompt + candidate[:k]) for each of its tokens (teacher forcing).
+
+    The input of candidate c is prompt + c[:-1]; equal inputs run once, inputs of equal length share
+    one batch (no padding: nothing may shift a position).
+    """
+    prompt = list(prompt)
+    inputs = {tuple(prompt + list(c[:-1])) for c in candidates}
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for row in sorted(inputs):
+        by_length.setdefault(len(row), []).append(row)
+    logp: dict[tuple[int, ...], torch.Tensor] = {}
+    for rows in by_length.values():
+        out = adapter.logits(torch.tensor(rows))[:, len(prompt) - 1:].float().log_softmax(-1)  # (k, len(c), V)
+        logp.update(zip(rows, out))
+    return [logp[tuple(prompt + list(c[:-1]))][torch.arange(len(c)), torch.tensor(list(c))].tolist()
+            for c in candidates]
+
+
+def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_ids: Sequence[int], filler_id: int,
+              text_ids: Sequence[int], a_ids: Sequence[int], b_ids: Sequence[int], max_filler: int,
+              out_dir: str | Path | None = None, progress: bool = True, max_period: int = 16) -> dict[str, Any]:
+    """Score a against b after prefix + n fillers + text for n = 0..max_filler (module docstring).
+
+    decode(ids) -> text labels the JSON and the figure.  Returns the sweep.json dict: settings,
+    `detected_period`, `period_scores`, `pattern`, `agreement` of `n_rankings`, and `per_length`
+    rows {filler, last_position, p_a, p_b, diff, logp_a, logp_b, choice}.  With `out_dir` writes
+    sweep.json and sweep.png there.
+    """
+    prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
+    for name, ids in (("text", text_ids), ("a", a_ids), ("b", b_ids)):
+        if not ids:
+            raise ValueError(f"{name}: encodes to no tokens")
+    if a_ids == b_ids:
+        raise ValueError(f"a and b: both encode to {a_ids}; give two different continuations")
+    if isinstance(max_filler, bool) or not isinstance(max_filler, int) or max_filler < 1:
+        raise ValueError(f"max_filler: must be an integer >= 1, got {max_filler!r}")
+    V = adapter.info.vocab_size
+    bad = [i for i in [*prefix_ids, filler_id, *text_ids, *a_ids, *b_ids] if not 0 <= i < V]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (size {V})")
+    adapter.check_length(len(prefix_ids) + max_filler + len(text_ids) + max(len(a_ids), len(b_ids)) - 1)
+
+    rows = []
+    for n in tqdm(range(max_filler + 1), desc="sweep", unit="length", disable=not progress, leave=False):
+        prompt = prefix_ids + [filler_id] * n + text_ids
+        lp_a, lp_b = continuation_logprobs(adapter, prompt, [a_ids, b_ids])
+        p_a, p_b = float(np.exp(lp_a[0])), float(np.exp(lp_b[0]))
+        logp_a, logp_b = float(sum(lp_a)), float(sum(lp_b))
+        choice = "a" if logp_a > logp_b else "b" if logp_b > logp_a else "tie"
+        rows.append({"filler": n, "last_position": len(prompt) - 1, "p_a": p_a, "p_b": p_b, "diff": p_a - p_b,
+                     "logp_a": logp_a, "logp_b": logp_b, "choice": choice})
+
+    diff = np.array([r["diff"] for r in rows])
+    period, scores = detect_signal_period(diff, max_period)
+    choices = [r["choice"] for r in rows]
+    pattern, agreement = periodic_agreement(choices, [r["logp_a"] - r["logp_b"] for r in rows], period)
+    result = {
+        "model": adapter.info.name,
+        "model_stride": adapter.info.stride,
+        "prefix": decode(prefix_ids), "filler": decode([filler_id]), "text": decode(text_ids),
+        "a": decode(a_ids), "b": decode(b_ids),
+        "prefix_ids": prefix_ids, "filler_id": int(filler_id), "text_ids": text_ids, "a_ids": a_ids, "b_ids": b_ids,
+        "max_filler": max_filler,
+        "max_period": max_period,
+        "detected_period": period,
+        "period_criterion": PERIOD_CRITERION,
+        "period_scores": {str(p): s for p, s in scores.items()},
+        "period_fit": _class_means(diff, period).tolist(),  # mean diff of each class n mod period
+        "pattern": pattern,
+        "agreement": agreement,
+        "n_rankings": len(rows),
+        "n_a": choices.count("a"),
+        "n_flips": sum(x != y for x, y in zip(choices, choices[1:])),
+        "per_length": rows,
+    }
+    log.info("sweep %s: period %d, %d of %d rankings agree", adapter.info.name, period, agreement, len(rows))
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_sweep(result, out / "sweep.png")
+        log.info("wrote %s", out)
+    return result
+
+
+def plot_sweep(result: dict[str, Any], path: str | Path) -> Path:
+    """P(a) - P(b) against filler length, rankings coloured, the fitted periodic means dashed and
+    dotted lines every `detected_period` fillers; returns the written path."""
+    rows, p = result["per_length"], result["detected_period"]
+    n = np.array([r["filler"] for r in rows])
+    diff = np.array([r["diff"] for r in rows])
+    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(n, diff, "-", color="0.6", lw=1)
+    for choice, color in (("a", "C0"), ("b", "C3")):
+        mask = np.array([r["choice"] == choice for r in rows])
+        if mask.any():
+            ax.plot(n[mask], diff[mask], "o", color=color, ms=4, label=f"ranks {result[choice]!r} first")
+    fit = np.array(result["period_fit"])
+    ax.step(n, fit[n % p], where="mid", color="k", ls="--", lw=1, label=f"class means mod {p}")
+    for boundary in range(p, int(n[-1]) + 1, p) if p > 1 else ():
+        ax.axvline(boundary - 0.5, color="0.5", ls=":", lw=0.8)
+    ax.axhline(0, color="0.3", lw=0.8)
+    ax.set_xlabel("filler tokens n (dotted lines: every detected period)")
+    ax.set_ylabel(f"P({result['a']!r}) - P({result['b']!r})")
+    ax.set_title(f"{result['model']}: shift sweep, detected period {p}, "
+                 f"{result['agreement']} of {result['n_rankings']} rankings agree with it", fontsize=10)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _class_means(x: np.ndarray, period: int) -> np.ndarray:
+    """Mean of x[n] over each class n mod period, shape (period,)."""
+    classes = np.arange(len(x)) % period
+    return np.bincount(classes, weights=x, minlength=period) / np.bincount(classes, minlength=period)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="shift sweep: P(a) - P(b) as a filler grows one token at a time, and its period")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory (texts are words of its vocabulary)")
+    src.add_argument("--hf", help="transformers causal LM: local directory or hub name (texts use its tokenizer)")
+    p.add_argument("--text", required=True, help="fixed text after the filler, e.g. 'T.Cast(FP'")
+    p.add_argument("--a", required=True, help="first candidate continuation")
+    p.add_argument("--b", required=True, help="second candidate continuation")
+    p.add_argument("--filler", help="one filler token (checkpoint: a word of its fillers group, default the first; "
+                                    "HF: a string that is exactly one token, default ' the')")
+    p.add_argument("--max-filler", type=int, default=64, help="filler lengths 0..N are swept (N + 1 rankings)")
+    p.add_argument("--max-period", type=int, default=16, help="largest period considered")
+    p.add_argument("--prefix", help="text before the filler, instead of the default bos token (HF without bos: eos)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", help="HF models: torch dtype, e.g. bfloat16")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=sweep_command)
+
+
+def sweep_command(args) -> dict[str, Any]:
+    if args.max_filler < 1 or args.max_period < 1:
+        raise ValueError(f"--max-filler and --max-period: must be >= 1, got {args.max_filler}, {args.max_period}")
+    if args.checkpoint:
+        from phasekv.evaluate.cli import open_checkpoint
+
+        adapter, defaults = open_checkpoint(args.checkpoint, args.device)
+        vocab = defaults["vocab"]
+        encode, decode = vocab.encode, vocab.decode
+        fillers = vocab.group("fillers")
+        filler = args.filler if args.filler is not None else vocab.decode(fillers[:1])
+        filler_ids = _encode(encode, "--filler", filler)
+        if len(filler_ids) != 1 or filler_ids[0] not in fillers:
+            raise ValueError(f"--filler: {filler!r} is not one word of the checkpoint's fillers group "
+                             f"({vocab.decode(fillers[:6])} ...)")
+        default_prefix = [vocab.bos]
+    else:
+        from phasekv.evaluate.hf import load_hf
+
+        adapter, tokenizer = load_hf(args.hf, args.device, args.dtype)
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        decode = tokenizer.decode
+        filler = args.filler if args.filler is not None else " the"
+        filler_ids = encode(filler)
+        if len(filler_ids) != 1:
+            pieces = [tokenizer.decode([i]) for i in filler_ids]
+            raise ValueError(f"--filler: {filler!r} is {len(filler_ids)} tokens of the tokenizer {pieces}; "
+                             f"it must be exactly one token (try a common word with a leading space, e.g. ' the')")
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None and args.prefix is None:
+            raise ValueError("--prefix: the tokenizer has neither a bos nor an eos token; give the prompt start")
+        default_prefix = [bos]
+    prefix_ids = _encode(encode, "--prefix", args.prefix) if args.prefix is not None else default_prefix
+    text_ids, a_ids, b_ids = (_encode(encode, flag, value) for flag, value in
+                              (("--text", args.text), ("--a", args.a), ("--b", args.b)))
+    return run_sweep(adapter, decode, prefix_ids, filler_ids[0], text_ids, a_ids, b_ids, args.max_filler,
+                     args.out, not args.no_progress, args.max_period)
+
+
+def _encode(encode: Callable[[str], list[int]], flag: str, text: str) -> list[int]:
+    """Token ids of one flag's text; unknown words and empty encodings name the flag."""
+    try:
+        ids = list(encode(text))
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    if not ids:
+        raise ValueError(f"{flag}: {text!r} encodes to no tokens")
+    return ids

@@ -1,0 +1,1 @@
+"""The reproduction job and its HTML report."""
