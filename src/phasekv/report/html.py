@@ -36,7 +36,8 @@ def _pct(x: float | None) -> str:
 
 def _table(models: dict[str, dict[str, Any]], protocol: str) -> str:
     head = ("<tr><th>model</th><th>val loss</th><th>mean %</th><th>worst residue %</th><th>gap pp</th>"
-            "<th>gap 95% CI (cross-fit)</th><th>phase gap pp</th><th>period</th><th>flatness p</th><th>prompts</th></tr>")
+            "<th>gap 95% CI (cross-fit)</th><th>phase gap pp</th><th>period</th><th>flatness p</th>"
+            "<th>prompts</th></tr>")
     rows = []
     for name, m in models.items():
         p = m[protocol]

@@ -66,7 +66,8 @@ def bundle(run: Path, dest: Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "gates").mkdir(parents=True)
-    state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(str(final / "model.safetensors")).items()}
+    weights = load_file(str(final / "model.safetensors"))
+    state = {k: v.half() if v.is_floating_point() else v for k, v in weights.items()}
     save_file(state, str(tmp / "model.safetensors"))
     shutil.copy(final / "config.json", tmp / "config.json")
     shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
