@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "phasekv.demo",
     "phasekv.train",
     "phasekv.evaluate.cli",
+    "phasekv.evaluate.sweep",
     "phasekv.theory.cli",
     "phasekv.probes.cli",
     "phasekv.report.reproduce",

@@ -63,11 +63,8 @@ def _shard(eval_set: EvalSet) -> tuple[EvalSet, int, int]:
     return dataclasses.replace(eval_set, contexts=eval_set.contexts[rank::world]), rank, world
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="accuracy by phase/residue of the lookup task, with intervals")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
-    src.add_argument("--hf", help="transformers causal LM: local directory or hub name")
+def add_prompt_arguments(p) -> None:
+    """The flags that choose a model and build its prompt set (shared by eval and the probes)."""
     p.add_argument("--protocol", choices=PROTOCOLS, default="prefix")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--stride", type=int, help="phase stride S (default: the model's; 8 without compression)")
@@ -86,22 +83,24 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", help="HF models: torch dtype, e.g. bfloat16")
     p.add_argument("--device-map", help="HF models: e.g. 'auto' to spread a large model over GPUs")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run_eval_command)
 
 
-def run_eval_command(args) -> dict[str, Any]:
-    if args.checkpoint:
-        adapter, defaults = open_checkpoint(args.checkpoint, args.device)
-        vocab = defaults.pop("vocab")
-    else:
+def open_source(args) -> tuple[Adapter, EvalSet]:
+    """The adapter (--checkpoint or --hf) and the prompt set the flags describe."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    if getattr(args, "hf", None):
         from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
 
         adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, args.device_map, stride=args.stride,
                                      local_window=args.local_window)
-        defaults = {"n_records": 64, "key_tokens": 1, "value_tokens": 1, "local_window": 16}
+        defaults: dict[str, Any] = {"n_records": 64, "key_tokens": 1, "value_tokens": 1, "local_window": 16}
         n = args.records or defaults["n_records"]
-        k = args.key_tokens or 1
-        vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, k), "values": 16, "fillers": 8})
+        vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, args.key_tokens or 1), "values": 16,
+                                                "fillers": 8})
+    else:
+        adapter, defaults = open_checkpoint(args.checkpoint, args.device)
+        vocab = defaults.pop("vocab")
     settings = {
         "n_records": args.records or defaults["n_records"], "n_demos": args.demos,
         "residue_modulus": args.residue_modulus, "n_clusters": args.clusters,
@@ -110,7 +109,20 @@ def run_eval_command(args) -> dict[str, Any]:
         "value_tokens": args.value_tokens or defaults["value_tokens"],
         "local_window": args.local_window or defaults["local_window"], "seed": args.seed,
     }
-    eval_set = make_eval_set(adapter, vocab, args.protocol, args.stride, **settings)
+    return adapter, make_eval_set(adapter, vocab, args.protocol, args.stride, **settings)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy by phase/residue of the lookup task, with intervals")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
+    src.add_argument("--hf", help="transformers causal LM: local directory or hub name")
+    add_prompt_arguments(p)
+    p.set_defaults(func=run_eval_command)
+
+
+def run_eval_command(args) -> dict[str, Any]:
+    adapter, eval_set = open_source(args)
     shard, rank, world = _shard(eval_set)
     if world == 1:
         return evaluate(adapter, eval_set, args.out, args.batch_size, not args.one_by_one, args.seed,
@@ -125,10 +137,9 @@ def run_eval_command(args) -> dict[str, Any]:
     metrics = {}
     if rank == 0:
         # rank r holds contexts r, r + world, ...: restore the original query order
-        per_context = [len(c.queries) for c in eval_set.contexts]
         ordered, cursors = [], [0] * world
-        for i, n_q in enumerate(per_context):
-            r = i % world
+        for i, context in enumerate(eval_set.contexts):
+            r, n_q = i % world, len(context.queries)
             ordered.extend(gathered[r][cursors[r]:cursors[r] + n_q])
             cursors[r] += n_q
         metrics = write_run(adapter, eval_set, ordered, args.out, args.seed)

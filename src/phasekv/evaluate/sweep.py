@@ -1,7 +1,7 @@
 """`phasekv sweep`: the shift sweep of a flipping completion (PAPER.md section 3, "Shift sweep").
 
     phasekv sweep --checkpoint DIR --text "cat Alice dog" --a Alice --b Bob --out OUT
-    phasekv sweep --hf PATH --prefix "<bos>" --filler " the" --text "T.Cast(FP" --a 8 --b 32 --out OUT
+    phasekv sweep --hf PATH --filler " the" --text "T.Cast(FP" --a 8 --b 32 --max-filler 63 --out OUT
 
 For every filler length n = 0..max_filler the prompt is
 

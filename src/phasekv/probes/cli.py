@@ -10,31 +10,14 @@ Prompt sets are those of `phasekv eval` (same flags and defaults; --clusters mak
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import numpy as np
 import torch
 
-from phasekv.data.protocols import PROTOCOLS, EvalSet
+from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.cli import make_eval_set, open_checkpoint
-
-
-def _prompt_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--protocol", choices=PROTOCOLS, default="prefix")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--stride", type=int, help="phase stride S (default: the model's; 8 without compression)")
-    p.add_argument("--residue-modulus", type=int, default=24)
-    p.add_argument("--records", type=int, help="records per prompt (checkpoint: its training value; HF: 64)")
-    p.add_argument("--demos", type=int, default=8)
-    p.add_argument("--clusters", type=int, help="logical examples (default: exact position matching)")
-    p.add_argument("--targets-per-context", type=int)
-    p.add_argument("--local-window", type=int, help="targets lie outside this many final tokens (HF default 16)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-progress", action="store_true")
+from phasekv.evaluate.cli import add_prompt_arguments, open_source
 
 
 def add_parser(sub) -> None:
@@ -42,17 +25,15 @@ def add_parser(sub) -> None:
     src = k.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
     src.add_argument("--hf", help="transformers Qwen3/Llama-style causal LM: local directory or hub name")
-    _prompt_arguments(k)
+    add_prompt_arguments(k)
     k.add_argument("--whole-layer", action="store_true", help="knock out all heads of a layer at once")
     k.add_argument("--calib-prompts", type=int, default=256, help="calibration prompts N_cal")
     k.add_argument("--calib-seed", type=int, help="seed of the calibration set (default: --seed + 1)")
-    k.add_argument("--one-by-one", action="store_true", help="one forward per prompt (no shared prefill)")
-    k.add_argument("--dtype", default="float32", help="HF models: torch dtype, e.g. bfloat16")
     k.set_defaults(func=knockout_command)
 
     g = sub.add_parser("gates", help="gate concentration and profiles of the compressed layers")
     g.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory")
-    _prompt_arguments(g)
+    add_prompt_arguments(g)
     g.add_argument("--prompts", type=int, default=64, help="lookup prompts whose windows are pooled")
     g.add_argument("--top", type=int, default=4, help="heads shown in gate_profiles.png")
     g.add_argument("--trajectory", action="store_true",
@@ -61,34 +42,17 @@ def add_parser(sub) -> None:
 
     c = sub.add_parser("cycle", help="cycle the gates by delta (W = S models) and compare to the prediction")
     c.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory")
-    _prompt_arguments(c)
+    add_prompt_arguments(c)
     c.add_argument("--deltas", type=int, nargs="+", default=list(range(-3, 4)), help="offsets delta to cycle by")
-    c.add_argument("--one-by-one", action="store_true", help="one forward per prompt (no shared prefill)")
     c.set_defaults(func=cycle_command)
 
 
 def _open(args) -> tuple[Adapter, EvalSet]:
-    """The adapter and the lookup prompt set the flags describe (as `phasekv eval` builds them)."""
-    for name in ("batch_size", "prompts", "calib_prompts", "top"):
+    for name in ("prompts", "calib_prompts", "top"):
         value = getattr(args, name, 1)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
-    if getattr(args, "hf", None):
-        from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
-
-        adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, stride=args.stride,
-                                     local_window=args.local_window)
-        defaults: dict[str, Any] = {"n_records": 64, "key_tokens": 1, "value_tokens": 1, "local_window": 16}
-        vocab = TokenizerVocabulary(tokenizer, {"keys": args.records or 64, "values": 16, "fillers": 8})
-    else:
-        adapter, defaults = open_checkpoint(args.checkpoint, args.device)
-        vocab = defaults.pop("vocab")
-    settings = {"n_records": args.records or defaults["n_records"], "n_demos": args.demos,
-                "residue_modulus": args.residue_modulus, "n_clusters": args.clusters,
-                "targets_per_context": args.targets_per_context, "key_tokens": defaults["key_tokens"],
-                "value_tokens": defaults["value_tokens"], "local_window": args.local_window or defaults["local_window"],
-                "seed": args.seed}
-    return adapter, make_eval_set(adapter, vocab, args.protocol, args.stride, **settings)
+    return open_source(args)
 
 
 def knockout_command(args) -> dict[str, Any]:
