@@ -86,3 +86,17 @@ def test_entry_invisible_until_window_complete(stride):
         diff = (model(ids) - model(other)).abs().amax(-1)[0]
     assert torch.all(diff[1:7] == 0)  # window 0 = positions 0..7 not complete before t = 7
     assert torch.all(diff[7:] > 0)
+
+
+def test_stagger_shifts_each_compressed_layer_windows():
+    torch.manual_seed(0)
+    config = tiny(compressor="gated", window=4, stride=4, stagger=True, num_hidden_layers=2)
+    assert [config.window_offset(i) for i in range(2)] == [0, 2]
+    model = build_model(config).eval()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 15)), cache=cache)
+    assert cache.layers[0].entries_end.tolist() == [3, 7, 11]
+    assert cache.layers[1].entries_end.tolist() == [5, 9, 13]
+    with pytest.raises(ValueError, match="stagger"):
+        tiny(compressor="gated", stagger=True, uncompressed_tail=True)

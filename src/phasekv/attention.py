@@ -151,6 +151,7 @@ class Attention(nn.Module):
         self.rotary = Rotary(D, config.rope_dims, config.rope_part, config.rope_theta)
         self.compressor = None if self.kind in LAYER_KINDS_BUILTIN else build_compressor(config, self.kind)
         self.tail = None
+        self.window_offset = config.window_offset(layer_idx)
         self.local = config.local_window
         if self.compressor is not None and config.uncompressed_tail:
             self.tail = (self.compressor.window, self.compressor.stride)
@@ -165,7 +166,9 @@ class Attention(nn.Module):
         if self.kind == "full":
             return LayerCache()
         hidden = self.q_proj.in_features
-        return LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
+        cache = LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
+        cache.pending_start = self.window_offset
+        return cache
 
     def _norm_rope(self, x: torch.Tensor, norm: str, positions: torch.Tensor) -> torch.Tensor:
         if hasattr(self, norm):
@@ -217,7 +220,8 @@ class Attention(nn.Module):
         k_pos = torch.cat([cache.raw_pos, pos])  # (L-1+T,)
         vis = Visible(None, None, None)
         if self.compressor is not None:
-            h = torch.cat([cache.pending_h, x], dim=1)  # (B, P+T, hidden), starts at a window start
+            h = torch.cat([cache.pending_h, x], dim=1)  # (B, P+T, hidden)
+            h = h[:, max(0, cache.pending_start - (start - cache.pending_h.shape[1])):]  # from a window start
             nk, nv, nend = self.compressed_entries(h, cache.pending_start)
             cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
             consumed = nk.shape[2] * self.compressor.stride

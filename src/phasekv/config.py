@@ -69,6 +69,7 @@ class ModelConfig:
     local_window: int = 16  # raw tokens each query sees exactly (itself included)
     uncompressed_tail: bool = False  # raw tokens = only those not yet in a complete window
     attn_sink: bool = False  # learned per-head logit in the softmax denominator
+    stagger: bool = False  # beyond the paper: compressed layer c starts its windows at c * S // n_compressed
     query_block: int = 128  # queries per block in the block-wise compressed attention
 
     def __post_init__(self) -> None:
@@ -105,6 +106,9 @@ class ModelConfig:
         for kind in self.layer_types:
             _check(kind in (*LAYER_KINDS_BUILTIN, *available()), "layer_types",
                    f"unknown kind {kind!r}; known: {[*LAYER_KINDS_BUILTIN, *available()]}")
+        if self.stagger and self.uncompressed_tail:
+            raise ValueError("stagger: cannot be combined with uncompressed_tail (tokens before a layer's first "
+                             "window would never be compressed nor kept raw)")
         if self.attn_sink:
             _check(any(k != "full" for k in self.layer_types), "attn_sink",
                    "needs at least one sliding or compressed layer (full layers use SDPA without sinks)")
@@ -112,6 +116,15 @@ class ModelConfig:
     @property
     def compressed_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind not in LAYER_KINDS_BUILTIN]
+
+    def window_offset(self, layer: int) -> int:
+        """Position of the first window start of compressed layer `layer` (0 unless `stagger`)."""
+        from phasekv.compression import stride_of
+
+        if not self.stagger or layer not in self.compressed_layers:
+            return 0
+        c = self.compressed_layers.index(layer)
+        return c * stride_of(self, self.layer_types[layer]) // len(self.compressed_layers)
 
     @property
     def phase_stride(self) -> int | None:

@@ -52,6 +52,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    gate_lr_mult: float = 1.0  # learning-rate multiplier of the compressor gates (Z, b)
     seed: int = 42
     log_every: int = 10
     eval_every: int = 100
@@ -188,6 +189,28 @@ def evaluate_validation(model: torch.nn.Module, batches, device) -> dict[str, fl
     return {"val_loss": loss_sum / max(tokens, 1), "val_lookup_acc": correct / max(queries, 1)}
 
 
+def is_gate_parameter(name: str) -> bool:
+    """Compressor gate maps Z and biases b (not the payload maps C)."""
+    return ".compressor." in name and ("_gate" in name)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with three groups: matrices (decayed), vectors and embeddings (not decayed), and the
+    compressor gates (not decayed, so decay does not pull them towards uniform; lr * gate_lr_mult)."""
+    groups: dict[str, list] = {"decay": [], "no_decay": [], "gates": []}
+    for n, p in model.named_parameters():
+        if is_gate_parameter(n):
+            groups["gates"].append(p)
+        elif p.dim() >= 2 and "embed" not in n:
+            groups["decay"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    settings = {"decay": (cfg.weight_decay, 1.0), "no_decay": (0.0, 1.0), "gates": (0.0, cfg.gate_lr_mult)}
+    return torch.optim.AdamW([{"params": groups[k], "weight_decay": wd, "lr_mult": mult}
+                              for k, (wd, mult) in settings.items()],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False)
+
+
 def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabulary, dtype=None) -> None:
     name = f"step_{step:06d}"
     gates = gate_parameters(model)
@@ -254,11 +277,7 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
         raise ValueError(f"model.vocab_size: {exp.model.vocab_size} is smaller than the data vocabulary ({vocab.size})")
     torch.manual_seed(cfg.seed)
     model = build_model(exp.model).to(dd.device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False)
+    optimizer = build_optimizer(model, cfg)
     start = 0
     if resume and (run / "latest").is_file():
         ck = resolve(run)
@@ -288,7 +307,7 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     for step in bar:
         lr = cfg.lr_at(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_mult"]
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
         count = dd.all_sum(torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in parts))))
         loss_total = torch.zeros(())

@@ -76,7 +76,7 @@ def add_prompt_arguments(p) -> None:
     p.add_argument("--key-tokens", type=int, help="tokens per key (needle test: 2 keys + 2 values = 4)")
     p.add_argument("--value-tokens", type=int)
     p.add_argument("--local-window", type=int, help="targets lie outside this many final tokens (HF default 16)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, help="query rows per forward (default: 256 checkpoints, 32 HF)")
     p.add_argument("--one-by-one", action="store_true", help="one forward per prompt (no shared prefill)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,6 +87,8 @@ def add_prompt_arguments(p) -> None:
 
 def open_source(args) -> tuple[Adapter, EvalSet]:
     """The adapter (--checkpoint or --hf) and the prompt set the flags describe."""
+    if args.batch_size is None:
+        args.batch_size = 32 if getattr(args, "hf", None) else 256
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: must be >= 1, got {args.batch_size}")
     if getattr(args, "hf", None):

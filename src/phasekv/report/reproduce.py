@@ -111,7 +111,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
     for protocol in PROTOCOLS:
         bar.set_description(f"{name}: {protocol}")
         eval_set = make_eval_set(adapter, vocab, protocol, **_settings(defaults, seed, main_clusters))
-        metrics = evaluate(adapter, eval_set, out / protocol, seed=seed, progress=False,
+        metrics = evaluate(adapter, eval_set, out / protocol, batch_size=256, seed=seed, progress=False,
                            n_boot=500 if quick else 2000)
         result[protocol] = {k: metrics[k] for k in METRIC_KEYS if k in metrics}
         result[protocol]["target_position_matching"] = metrics["target_position_matching"]
@@ -119,7 +119,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
     probe_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, 2))
     bar.set_description(f"{name}: knockout")
     calib = calibration_set(probe_set, n_prompts=64 if quick else 256, seed=seed + 1)
-    ko = run_knockout(adapter, probe_set, calib, out / "knockout", progress=False)
+    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=256, progress=False)
     result["knockout"] = _numbers_only(ko)
     bar.update()
     if facts["compressor"] != "none":
@@ -133,7 +133,8 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
         if facts["window"] == facts["stride"] and facts["compressor"] == "gated" and not facts["uniform"]:
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
-            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", progress=False)
+            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=256,
+                              progress=False)
             result["cycling"] = _numbers_only(cyc)
     bar.update()
     return result
