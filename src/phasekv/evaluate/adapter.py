@@ -125,7 +125,8 @@ class HFAdapter(Adapter):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor):
         out = self.module(input_ids=ids.to(self.device), use_cache=True)
-        return (out.past_key_values, ids.shape[1])
+        past = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5.x
+        return (past, ids.shape[1])
 
     @torch.no_grad()
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -137,4 +138,7 @@ class HFAdapter(Adapter):
             past.batch_repeat_interleave(repeats)
         ids = ids.to(self.device)
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-        return self.module(input_ids=ids, past_key_values=past, position_ids=positions, use_cache=True).logits
+        import inspect
+
+        name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"
+        return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{name: past}).logits
