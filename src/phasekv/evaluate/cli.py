@@ -63,6 +63,12 @@ def _shard(eval_set: EvalSet) -> tuple[EvalSet, int, int]:
     return dataclasses.replace(eval_set, contexts=eval_set.contexts[rank::world]), rank, world
 
 
+def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name") -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
+    src.add_argument("--hf", help=hf_help)
+
+
 def add_prompt_arguments(p) -> None:
     """The flags that choose a model and build its prompt set (shared by eval and the probes)."""
     p.add_argument("--protocol", choices=PROTOCOLS, default="prefix")
@@ -116,9 +122,7 @@ def open_source(args) -> tuple[Adapter, EvalSet]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="accuracy by phase/residue of the lookup task, with intervals")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
-    src.add_argument("--hf", help="transformers causal LM: local directory or hub name")
+    add_source_arguments(p)
     add_prompt_arguments(p)
     p.set_defaults(func=run_eval_command)
 

@@ -17,14 +17,12 @@ import torch
 
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.cli import add_prompt_arguments, open_source
+from phasekv.evaluate.cli import add_prompt_arguments, add_source_arguments, open_source
 
 
 def add_parser(sub) -> None:
     k = sub.add_parser("knockout", help="mean-replacement knockout of each KV head (or layer), by phase")
-    src = k.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
-    src.add_argument("--hf", help="transformers Qwen3/Llama-style causal LM: local directory or hub name")
+    add_source_arguments(k, "transformers Qwen3/Llama-style causal LM: local directory or hub name")
     add_prompt_arguments(k)
     k.add_argument("--whole-layer", action="store_true", help="knock out all heads of a layer at once")
     k.add_argument("--calib-prompts", type=int, default=256, help="calibration prompts N_cal")

@@ -18,7 +18,6 @@ DeepSeek HCA) is the same after any roll and is left alone.  Payload maps are ne
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -127,11 +126,7 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phase": S - 1,
               "n_prompts": len(clean_records), "clean": clean, "deltas": rows, "figure": None}
     if out_dir is not None:
-        from phasekv.probes.figures import plot_cycling
+        from phasekv.probes.figures import plot_cycling, write_result
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        result["figure"] = str(plot_cycling(result, out / "cycling.png"))
-        (out / "cycling.json").write_text(json.dumps(result, indent=2) + "\n")
-        log.info("wrote %s", out)
+        write_result(out_dir, "cycling", result, plot_cycling)
     return result

@@ -185,3 +185,16 @@ def plot_cycling(result: dict[str, Any], path: str | Path) -> Path:
     fig.suptitle(f"{result['model']}: gate cycling (S = {S}, shaded: boundary phase {S - 1}), "
                  f"{result['protocol']} padding, {result['n_prompts']} prompts", fontsize=10)
     return _save(fig, path)
+
+
+def write_result(out_dir: str | Path, stem: str, result: dict[str, Any], plot, key: str = "figure") -> dict[str, Any]:
+    """Draw `plot(result, out_dir/stem.png)`, record its path under `key`, write out_dir/stem.json."""
+    import json
+    import logging
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result[key] = str(plot(result, out / f"{stem}.png"))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    logging.getLogger(__name__).info("wrote %s", out)
+    return result

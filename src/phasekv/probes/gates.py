@@ -154,11 +154,6 @@ def gate_trajectory(run_dir: str | Path, prompt_ids: torch.Tensor | list[torch.T
         g["static"] = [stats[j]["static"] for stats in per_step]
         g["per_window"] = [stats[j]["per_window"] for stats in per_step]
     result: dict[str, Any] = {"run": str(run), "steps": steps, "gates": gates}
-    from phasekv.probes.figures import plot_gate_trajectory
+    from phasekv.probes.figures import plot_gate_trajectory, write_result
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result["figure"] = str(plot_gate_trajectory(result, out / "gate_trajectory.png"))
-    (out / "gate_trajectory.json").write_text(json.dumps(result, indent=2) + "\n")
-    log.info("wrote %s", out)
-    return result
+    return write_result(out_dir, "gate_trajectory", result, plot_gate_trajectory)

@@ -20,7 +20,6 @@ token-for-token identical to an evaluation prompt, and `run_knockout` refuses ov
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from pathlib import Path
@@ -137,11 +136,7 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
               "n_calibration": len(calib_set.queries()), "eval_seed": eval_set.settings.get("seed"),
               "calibration_seed": calib_set.settings.get("seed"), "clean": clean, "rows": rows, "heatmap": None}
     if out_dir is not None:
-        from phasekv.probes.figures import plot_knockout_map
+        from phasekv.probes.figures import plot_knockout_map, write_result
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        result["heatmap"] = str(plot_knockout_map(result, out / "knockout.png"))
-        (out / "knockout.json").write_text(json.dumps(result, indent=2) + "\n")
-        log.info("wrote %s", out)
+        write_result(out_dir, "knockout", result, plot_knockout_map, key="heatmap")
     return result
