@@ -12,7 +12,8 @@ from phasekv.train import Experiment
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-2kv", "w8s8-4kv", "w8s8-8kv",
          "w8s8-vector", "w8s8-tied", "w8s8-nobias", "w8s8-noqknorm", "w8s8-norope", "w8s8-partrope", "w8s8-tail",
-         "w8s8-uniform", "w8s8-postnorm", "deepseek-style", "deepseek-style-scalar", "deepseek-csa"}
+         "w8s8-uniform", "w8s8-postnorm", "deepseek-style", "deepseek-style-scalar", "deepseek-csa",
+         "w8s8-stagger"}  # the last one goes beyond the paper: staggered window offsets per layer
 
 
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
