@@ -106,7 +106,15 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
     adapter.info.name = name
     vocab = defaults.pop("vocab")
     facts = _model_facts(path)
-    result: dict[str, Any] = {"path": str(path), **facts, "phase_stride": adapter.info.stride}
+    result: dict[str, Any] = {"path": str(path), **facts, "phase_stride": adapter.info.stride, "seconds": {}}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        result["seconds"][stage] = round(now - clock, 2)
+        clock = now
+
     main_clusters = 6 if quick else None  # None: the exactly matched default; 6 suits both protocols
     for protocol in PROTOCOLS:
         bar.set_description(f"{name}: {protocol}")
@@ -115,18 +123,21 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
                            n_boot=500 if quick else 2000)
         result[protocol] = {k: metrics[k] for k in METRIC_KEYS if k in metrics}
         result[protocol]["target_position_matching"] = metrics["target_position_matching"]
+        lap(protocol)
         bar.update()
     probe_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, 2))
     bar.set_description(f"{name}: knockout")
     calib = calibration_set(probe_set, n_prompts=64 if quick else 256, seed=seed + 1)
     ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=256, progress=False)
     result["knockout"] = _numbers_only(ko)
+    lap("knockout")
     bar.update()
     if facts["compressor"] != "none":
         bar.set_description(f"{name}: gates")
         prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
         gates = gate_report(adapter, prompts, out / "gates", progress=False)
         result["gates"] = gates["gates"]
+        lap("gates")
         if (path / "gates").is_dir() and any((path / "gates").glob("step_*.safetensors")):
             traj = gate_trajectory(path, prompts[:16], out / "gates", progress=False)
             result["gate_trajectory"] = _numbers_only(traj)
@@ -136,6 +147,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
             cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=256,
                               progress=False)
             result["cycling"] = _numbers_only(cyc)
+            lap("cycling")
     bar.update()
     return result
 
