@@ -141,6 +141,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar:
         if (path / "gates").is_dir() and any((path / "gates").glob("step_*.safetensors")):
             traj = gate_trajectory(path, prompts[:16], out / "gates", progress=False)
             result["gate_trajectory"] = _numbers_only(traj)
+            lap("gate_trajectory")
         if facts["window"] == facts["stride"] and facts["compressor"] == "gated" and not facts["uniform"]:
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
