@@ -194,3 +194,17 @@ def test_validation_set_is_fixed_and_held_out(stream):
     assert torch.isin(labels[answer], torch.tensor(stream.vocab.group("values"))).all()
     other = stream.validation_set(16, seed=3, batch_size=16)[0]
     assert not torch.equal(other.input_ids, ids)
+
+
+def test_curriculum_ramps_records_and_keeps_lengths():
+    from phasekv.data import DataConfig, TrainingStream, Vocabulary
+
+    cfg = DataConfig(n_records=32, curriculum_start=8, curriculum_examples=100, background_fraction=0.0)
+    stream = TrainingStream(Vocabulary(), cfg, seed=0)
+    assert [stream.records_at(i) for i in (0, 50, 99, 100, 10_000)] == [8, 20, 31, 32, 32]
+    early, late = stream.example(0), stream.example(500)
+    assert len(early.record_positions) == 8 and len(late.record_positions) == 32
+    assert len(early.ids) == len(late.ids) == cfg.seq_len
+    assert max(early.query_records) < 8
+    with pytest.raises(ValueError, match="curriculum_start"):
+        DataConfig(n_records=32, curriculum_start=40, curriculum_examples=10)

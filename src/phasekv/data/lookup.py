@@ -85,6 +85,8 @@ class DataConfig:
     n_values: int = 64
     n_fillers: int = 16
     n_background: int = 64
+    curriculum_start: int = 0  # records per lookup example at the start of training (0: no curriculum)
+    curriculum_examples: int = 0  # training examples over which the count ramps linearly to n_records
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -93,7 +95,8 @@ class DataConfig:
                 if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                     raise ValueError(f"background_fraction: must be a number in [0, 1], got {value!r}")
                 continue
-            low = 0 if f.name in ("prefix_max", "outer_max", "gap_fillers", "chain_seed") else 1
+            low = 0 if f.name in ("prefix_max", "outer_max", "gap_fillers", "chain_seed", "curriculum_start",
+                                  "curriculum_examples") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{f.name}: must be an integer >= {low}, got {value!r}")
         if self.background_successors > self.n_background:
@@ -102,6 +105,9 @@ class DataConfig:
         if self.n_records > self.n_keys ** self.key_tokens:
             raise ValueError(f"n_records: {self.n_records} distinct keys needed, only "
                              f"{self.n_keys ** self.key_tokens} exist (n_keys ** key_tokens)")
+        if self.curriculum_start and not (2 <= self.curriculum_start <= self.n_records and self.curriculum_examples):
+            raise ValueError(f"curriculum_start: must be in [2, n_records={self.n_records}] with "
+                             f"curriculum_examples >= 1, got {self.curriculum_start}, {self.curriculum_examples}")
         if self.gap_fillers and self.n_records < 2:
             raise ValueError("gap_fillers: needs n_records >= 2 (fillers go between records)")
         reach = (self.n_records - 1) * self.record_length + self.key_tokens
@@ -280,7 +286,16 @@ class TrainingStream:
         rng = np.random.default_rng([self.seed if seed is None else seed, tag, index])
         if rng.random() < self.config.background_fraction:
             return self._background_example(rng)
-        return self._lookup_example(rng)
+        return self._lookup_example(rng, self.records_at(index) if tag == _TRAIN else self.config.n_records)
+
+    def records_at(self, index: int) -> int:
+        """Records in training example `index`: the curriculum ramps linearly from curriculum_start to
+        n_records over the first curriculum_examples examples (fewer records = an easier lookup);
+        validation always uses n_records."""
+        cfg = self.config
+        if not cfg.curriculum_start or index >= cfg.curriculum_examples:
+            return cfg.n_records
+        return cfg.curriculum_start + (cfg.n_records - cfg.curriculum_start) * index // cfg.curriculum_examples
 
     def validation_set(self, n: int, seed: int | None = None, batch_size: int = 64) -> list[Batch]:
         """n fixed held-out sequences (same mixture, a separate RNG stream) in batches of batch_size.
@@ -299,15 +314,16 @@ class TrainingStream:
         labels[:-1] = ids[1:]
         return Example(ids.astype(np.int64), labels, np.zeros(T, dtype=bool), "background")
 
-    def _lookup_example(self, rng: np.random.Generator) -> Example:
+    def _lookup_example(self, rng: np.random.Generator, n: int) -> Example:
         cfg, vocab = self.config, self.vocab
-        keys, values = sample_records(rng, vocab, cfg.n_records, cfg.key_tokens, cfg.value_tokens)
+        keys, values = sample_records(rng, vocab, n, cfg.key_tokens, cfg.value_tokens)
         prefix = int(rng.integers(cfg.prefix_max + 1))
         outer = int(rng.integers(cfg.outer_max + 1))
-        inner = scatter(rng, cfg.gap_fillers, cfg.n_records - 1).tolist() if cfg.n_records > 1 else []
+        inner = scatter(rng, cfg.gap_fillers, n - 1).tolist() if n > 1 else []
         gaps = [prefix, *inner, outer]
-        queries = rng.integers(cfg.n_records, size=cfg.n_queries).tolist()
-        fillers = filler_tokens(rng, vocab, cfg.prefix_max + cfg.outer_max + cfg.gap_fillers)
+        queries = rng.integers(n, size=cfg.n_queries).tolist()
+        spare = (cfg.n_records - n) * cfg.record_length  # records the curriculum leaves out: trailing fillers
+        fillers = filler_tokens(rng, vocab, cfg.prefix_max + cfg.outer_max + cfg.gap_fillers + spare)
         layout = assemble(vocab.bos, keys, values, gaps, fillers, queries)
         ids = layout.ids + fillers[sum(gaps):].tolist()  # trailing fillers: equal lengths, no shift
 
