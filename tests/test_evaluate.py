@@ -159,3 +159,28 @@ def test_tokenizer_with_too_few_single_token_words(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "single-token keys words found, need 64" in err
     assert "Traceback" not in err and sum(line.startswith("phasekv eval: error") for line in err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_torchrun_sharded_eval_equals_single_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from phasekv.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB.size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, compressor="gated", window=4,
+                         stride=4, local_window=8)
+    tree = {"model": config.to_dict(), "data": {"n_records": 24, "local_window": 8}, "vocab": VOCAB.to_dict()}
+    save_checkpoint(tmp_path / "ckpt", build_model(config), tree)
+    args = ["eval", "--checkpoint", str(tmp_path / "ckpt"), "--clusters", "2", "--no-progress", "--out"]
+    assert main([*args, str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29544",
+           "-m", "phasekv.cli", *args, str(tmp_path / "two")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "one" / "predictions.jsonl").read_text() == (tmp_path / "two" / "predictions.jsonl").read_text()
+    assert (tmp_path / "one" / "metrics.json").read_text() == (tmp_path / "two" / "metrics.json").read_text()
