@@ -13,9 +13,12 @@ verdict, and the report says plainly when a claim does not hold at this scale.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
+import multiprocessing
+import os
 import shutil
 import time
 from pathlib import Path
@@ -101,7 +104,27 @@ def _settings(defaults: dict[str, Any], seed: int, n_clusters: int | None) -> di
             "n_clusters": n_clusters}
 
 
-def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar: tqdm) -> dict[str, Any]:
+class _NoBar:
+    """Stands in for a progress bar inside worker processes (the parent shows progress per model)."""
+
+    def set_description(self, text: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _analyse_in_worker(args: tuple) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return analyse_model(*args, bar=_NoBar())
+
+
+def _theory_in_worker(out: Path, seed: int, quick: bool) -> dict[str, Any]:
+    os.environ["TQDM_DISABLE"] = "1"  # the parent's bar is the one progress display
+    return run_theory(out, seed=seed, quick=quick)
+
+
+def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar) -> dict[str, Any]:
     adapter, defaults = open_checkpoint(path)
     adapter.info.name = name
     vocab = defaults.pop("vocab")
@@ -199,7 +222,7 @@ def check_finite(tree: Any, where: str = "summary") -> None:
 
 def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: list[str] | None = None,
               retrain: bool = False, configs: str | Path = "configs/cpu", bundle_to: str | Path | None = None,
-              quick: bool = False, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+              quick: bool = False, seed: int = 0, progress: bool = True, jobs: int = 2) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -218,11 +241,31 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
     steps = 3 * len(models_dirs) + 1
     bar = tqdm(total=steps, desc="reproduce", unit="stage", disable=not progress, dynamic_ncols=True)
     models = {}
-    for name, path in models_dirs.items():
-        models[name] = analyse_model(name, path, out / "models" / name, quick, seed, bar)
-    bar.set_description("theory")
-    theory = run_theory(out / "theory", seed=seed, quick=quick)
-    bar.update()
+    tasks = {name: (name, path, out / "models" / name, quick, seed) for name, path in models_dirs.items()}
+    theory = None
+    if jobs > 1 and len(tasks) > 1:
+        # one model per worker process with one thread each (small models use 2 cores better this
+        # way); the theory model runs beside them
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx) as pool:
+            futures = {pool.submit(_analyse_in_worker, args): name for name, args in tasks.items()}
+            futures[pool.submit(_theory_in_worker, out / "theory", seed, quick)] = "theory"
+            for future in concurrent.futures.as_completed(futures):
+                name = futures[future]
+                if name == "theory":
+                    theory = future.result()
+                    bar.update(1)
+                else:
+                    models[name] = future.result()
+                    bar.update(3)
+                bar.set_description(f"{name}: done")
+        models = {name: models[name] for name in tasks}
+    else:
+        for name, args in tasks.items():
+            models[name] = analyse_model(*args, bar=bar)
+        bar.set_description("theory")
+        theory = run_theory(out / "theory", seed=seed, quick=quick)
+        bar.update()
     bar.close()
     summary = {
         "models": models,
@@ -248,11 +291,12 @@ def add_parser(sub) -> None:
     p.add_argument("--bundle", help="with --train: store compact copies of the trained models here")
     p.add_argument("--quick", action="store_true", help="smaller prompt sets (for tests; intervals get wider)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=2, help="models analysed in parallel processes (1 thread each)")
     p.add_argument("--no-progress", action="store_true")
 
     def run(args) -> None:
         summary = reproduce(args.out, args.checkpoints, args.models, args.train, args.configs, args.bundle,
-                            args.quick, args.seed, not args.no_progress)
+                            args.quick, args.seed, not args.no_progress, args.jobs)
         held = sum(f["holds"] for f in summary["findings"])
         print(f"{held}/{len(summary['findings'])} findings reproduced; report: {Path(args.out) / 'report.html'}")
 
