@@ -220,7 +220,8 @@ class Attention(nn.Module):
         k_pos = torch.cat([cache.raw_pos, pos])  # (L-1+T,)
         vis = Visible(None, None, None)
         if self.compressor is not None:
-            h = torch.cat([cache.pending_h, x], dim=1)  # (B, P+T, hidden)
+            # (B, P+T, hidden); no copy of x when nothing is pending (the whole training forward)
+            h = torch.cat([cache.pending_h, x], dim=1) if cache.pending_h.shape[1] else x
             h = h[:, max(0, cache.pending_start - (start - cache.pending_h.shape[1])):]  # from a window start
             nk, nv, nend = self.compressed_entries(h, cache.pending_start)
             cache.add_entries(nk, nv if not self.compressor.tied else None, nend)

@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def _analyse_in_worker(args: tuple) -> dict[str, Any]:
 
 
 def _theory_in_worker(out: Path, seed: int, quick: bool) -> dict[str, Any]:
-    os.environ["TQDM_DISABLE"] = "1"  # the parent's bar is the one progress display
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the parent's bar is the one progress display
     return run_theory(out, seed=seed, quick=quick)
 
 
