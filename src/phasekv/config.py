@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,18 +189,3 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(tree, dict) or "model" not in tree:
         raise ValueError(f"config {path}: expected a mapping with a 'model' section")
     return tree
-
-
-@dataclass
-class Experiment:
-    """A whole experiment file, validated section by section."""
-
-    model: ModelConfig
-    sections: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_tree(cls, tree: dict[str, Any]) -> Experiment:
-        if not isinstance(tree.get("model"), dict):
-            raise ValueError("model: section missing or not a mapping")
-        return cls(model=ModelConfig.from_dict(tree["model"]),
-                   sections={k: v for k, v in tree.items() if k != "model"})

@@ -92,7 +92,3 @@ class Compressor(nn.Module):
     def gate_weights(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
         """alpha per branch ("k", "v"): (B, N, W, KVH, G) with G = 1 (scalar) or D (vector)."""
         raise NotImplementedError
-
-    def end_positions(self, n: int, start: int = 0) -> torch.Tensor:
-        """Last token position of windows 0..n-1 (offset by `start`)."""
-        return start + torch.arange(n) * self.stride + self.window - 1

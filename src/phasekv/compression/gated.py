@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phasekv.compression.base import Compressor, register, windows
+from phasekv.compression.base import Compressor, num_windows, register, windows
 from phasekv.config import ModelConfig
 from phasekv.layers import RMSNorm
 
@@ -77,7 +77,7 @@ class OffsetGatedCompressor(Compressor):
     def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = h.shape
         W, S, KVH, D, G = self.window, self.stride, self.num_kv_heads, self.head_dim, self.gate_dim
-        n = 0 if T < W else (T - W) // S + 1
+        n = num_windows(T, W, S)
         out = {}
         for branch in self.branches:
             c, z, b = self.maps(branch)

@@ -12,6 +12,8 @@ its index in the input ids.
 
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -130,15 +132,11 @@ class HFAdapter(Adapter):
 
     @torch.no_grad()
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        import copy
-
         past, length = cache
         past = copy.deepcopy(past)
         if repeats > 1:
             past.batch_repeat_interleave(repeats)
         ids = ids.to(self.device)
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-        import inspect
-
         name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"
         return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{name: past}).logits
