@@ -102,14 +102,16 @@ class KVCache:
     def repeat_interleave(self, n: int) -> KVCache:
         """Each of the B cached contexts repeated n times along the batch (row b*n + i is context b),
         as an independent cache; the original is untouched."""
-        out = self.copy()
-        for lc in out.layers or []:
-            for f in fields(lc):
-                value = getattr(lc, f.name)
-                if isinstance(value, torch.Tensor) and f.name not in ("raw_pos", "entries_end"):
-                    setattr(lc, f.name, value.repeat_interleave(n, dim=0))
-        return out
+        def repeat(name: str, value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            # positions carry no batch dimension; everything else gets fresh repeated storage
+            return value.clone() if name in ("raw_pos", "entries_end") else value.repeat_interleave(n, dim=0)
 
+        layers = None if self.layers is None else [
+            LayerCache(**{f.name: repeat(f.name, getattr(lc, f.name)) for f in fields(lc)}) if lc else None
+            for lc in self.layers]
+        return KVCache(layers, self.length)
 
 def _clone(value):
     return value.clone() if isinstance(value, torch.Tensor) else value

@@ -26,10 +26,18 @@ from phasekv.model import PhaseKVForCausalLM, build_model
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Write a file under a temporary name, then rename it into place (never half-written)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if isinstance(content, bytes):
+        tmp.write_bytes(content)
+    else:
+        tmp.write_text(content)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _state_dict_for_saving(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

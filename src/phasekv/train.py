@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from phasekv.checkpoint import load_tensors, resolve, save_checkpoint, write_json_atomic
+from phasekv.checkpoint import load_tensors, resolve, save_checkpoint, write_atomic, write_json_atomic
 from phasekv.config import ModelConfig, _only_known, apply_overrides, load_yaml
 from phasekv.data.lookup import DataConfig, TrainingStream
 from phasekv.data.vocab import Vocabulary
@@ -221,22 +221,15 @@ def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabu
                     extra_json={"trainer_state.json": {"step": step, "optimizer": opt_meta}}, dtype=dtype)
     if gates:
         (run / "gates").mkdir(exist_ok=True)
-        shutil_copy_atomic(run / "checkpoints" / name / "gates.safetensors", run / "gates" / f"{name}.safetensors")
-    tmp = run / "latest.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, run / "latest")
+        write_atomic(run / "gates" / f"{name}.safetensors",
+                     (run / "checkpoints" / name / "gates.safetensors").read_bytes())
+    write_atomic(run / "latest", name + "\n")
     kept = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_") and p.is_dir()
                   and not p.name.endswith((".tmp", ".old")))
     for old in kept[:-exp.train.keep_checkpoints]:
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
-
-
-def shutil_copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.write_bytes(src.read_bytes())
-    os.replace(tmp, dst)
 
 
 def _optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -358,9 +351,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(r + "\n" for r in rows))
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:

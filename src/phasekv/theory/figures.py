@@ -25,6 +25,13 @@ from phasekv.theory.flow import FlowResult  # noqa: E402
 BRANCH = ("K", "V")
 
 
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def _training(out: Path, summary: dict, result: FlowResult) -> str:
     heads = len(result.static_p[0][0][0])
     stride = len(result.static_p[0][0][0][0])
@@ -62,10 +69,7 @@ def _training(out: Path, summary: dict, result: FlowResult) -> str:
     ax.set(xscale="log", xlabel="initialization radius rho", ylabel="fraction of runs",
            title="two heads on the same r_h", ylim=(-0.02, max(0.5, t2["chance_collision_rate"] + 0.1)))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "theory_training.png", dpi=110)
-    plt.close(fig)
-    return "theory_training.png"
+    return _save(fig, out, "theory_training.png")
 
 
 def _concentration(out: Path, summary: dict, result: FlowResult) -> str:
@@ -98,10 +102,7 @@ def _concentration(out: Path, summary: dict, result: FlowResult) -> str:
             title="speed of static concentration")
     ax3.set_xticks([r["kappa"] for r in kappa_rows], [f"{r['kappa']:g}" for r in kappa_rows])
     ax3.minorticks_off()
-    fig.tight_layout()
-    fig.savefig(out / "theory_concentration.png", dpi=110)
-    plt.close(fig)
-    return "theory_concentration.png"
+    return _save(fig, out, "theory_concentration.png")
 
 
 def _retrieval(out: Path, summary: dict) -> str:
@@ -128,10 +129,7 @@ def _retrieval(out: Path, summary: dict) -> str:
         if key == "vocab":
             ax.set_xscale("log", base=2)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "theory_retrieval.png", dpi=110)
-    plt.close(fig)
-    return "theory_retrieval.png"
+    return _save(fig, out, "theory_retrieval.png")
 
 
 def _optimum(out: Path, summary: dict, plot: dict) -> str:
@@ -163,10 +161,7 @@ def _optimum(out: Path, summary: dict, plot: dict) -> str:
            title="> 0: a spread assignment beats one-hot")
     ax.set_xticks([r["beta"] for r in scan], [f"{r['beta']:g}" for r in scan])
     ax.minorticks_off()
-    fig.tight_layout()
-    fig.savefig(out / "theory_optimum.png", dpi=110)
-    plt.close(fig)
-    return "theory_optimum.png"
+    return _save(fig, out, "theory_optimum.png")
 
 
 def write_figures(out: Path, summary: dict, result: FlowResult, theorem1_plot: dict) -> list[str]:
