@@ -7,7 +7,6 @@ import pytest
 from scipy.stats import chi2_contingency, norm
 
 from phasekv.evaluate.metrics import detect_period, summarize, wilson_interval
-from phasekv.evaluate.plots import plot_accuracy_by_residue, plot_residue_curves
 
 R = 24
 Z = norm.ppf(0.975)
@@ -179,14 +178,3 @@ def test_input_errors():
         summarize(gappy, stride=8)
     with pytest.raises(ValueError, match="cluster"):
         summarize([{"target_position": 3, "correct": True}], stride=8)
-
-
-def test_plots_write_png(tmp_path):
-    a = summarize(shifted_records(phase_curve(8, fail=(7,)), 40, seed=0), stride=8, n_boot=100, n_perm=100)
-    b = summarize(shifted_records(phase_curve(4, fail=(1,)), 40, seed=1), stride=4, n_boot=100, n_perm=100)
-    for path in (plot_accuracy_by_residue(a, tmp_path / "one.png"),
-                 plot_residue_curves({"W8/S8": a, "W4/S4": b}, tmp_path / "sub" / "many.png")):
-        data = path.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    with pytest.raises(ValueError, match="residue_modulus"):
-        plot_residue_curves({"a": a, "b": {**b, "residue_modulus": 12}}, tmp_path / "bad.png")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import summarize
-from phasekv.evaluate.plots import plot_accuracy_by_residue
+from phasekv.figures.evaluation import plot_accuracy_by_residue
 
 log = logging.getLogger(__name__)
 

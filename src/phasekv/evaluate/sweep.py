@@ -50,12 +50,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 from phasekv.evaluate.adapter import Adapter
+from phasekv.figures.evaluation import plot_sweep
 
 log = logging.getLogger(__name__)
 
@@ -186,39 +185,6 @@ def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_i
         plot_sweep(result, out / "sweep.png")
         log.info("wrote %s", out)
     return result
-
-
-def plot_sweep(result: dict[str, Any], path: str | Path) -> Path:
-    """P(a) - P(b) against filler length: rankings coloured, those off the periodic pattern crossed,
-    the class means mod the detected period dashed, dotted lines every period; returns the path."""
-    rows, p = result["per_length"], result["detected_period"]
-    n = np.array([r["filler"] for r in rows])
-    diff = np.array([r["diff"] for r in rows])
-    fig = Figure(figsize=(9, 4.8), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(n, diff, "-", color="0.6", lw=1)
-    for choice, color in (("a", "C0"), ("b", "C3")):
-        mask = np.array([r["choice"] == choice for r in rows])
-        if mask.any():
-            ax.plot(n[mask], diff[mask], "o", color=color, ms=4, label=f"ranks {result[choice]!r} first")
-    off = np.array([r["choice"] != result["pattern"][r["filler"] % p] for r in rows])
-    if off.any():
-        ax.plot(n[off], diff[off], "x", color="k", ms=9, label=f"disagrees with the period-{p} pattern")
-    fit = np.array(result["period_fit"])
-    ax.step(n, fit[n % p], where="mid", color="k", ls="--", lw=1, label=f"class means mod {p}")
-    for boundary in range(p, int(n[-1]) + 1, p) if p > 1 else ():
-        ax.axvline(boundary - 0.5, color="0.5", ls=":", lw=0.8)
-    ax.axhline(0, color="0.3", lw=0.8)
-    ax.set_xlabel("filler tokens n (dotted lines: every detected period)")
-    ax.set_ylabel(f"P({result['a']!r}) - P({result['b']!r})")
-    ax.set_title(f"{result['model']}: shift sweep, detected period {p}, "
-                 f"{result['agreement']} of {result['n_rankings']} rankings agree with it", fontsize=10)
-    fig.legend(loc="outside lower center", ncols=4, fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
 
 
 def _class_means(x: np.ndarray, period: int) -> np.ndarray:

@@ -31,8 +31,10 @@ from tqdm import tqdm
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.runner import predict
+from phasekv.figures.probes import plot_cycling
 from phasekv.probes.hooks import compressed_layers
 from phasekv.probes.knockout import accuracies
+from phasekv.probes.output import write_result
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,5 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phase": S - 1,
               "n_prompts": len(clean_records), "clean": clean, "deltas": rows, "figure": None}
     if out_dir is not None:
-        from phasekv.probes.figures import plot_cycling, write_result
-
         write_result(out_dir, "cycling", result, plot_cycling)
     return result

@@ -29,12 +29,17 @@ from tqdm import tqdm
 from phasekv.checkpoint import load_checkpoint, load_tensors
 from phasekv.config import ModelConfig
 from phasekv.evaluate.adapter import Adapter
+from phasekv.figures.probes import (
+    VECTOR_NOTE,
+    plot_concentration_plane,
+    plot_gate_profiles,
+    plot_gate_trajectory,
+)
 from phasekv.probes.concentration import Accumulator
 from phasekv.probes.hooks import attention_inputs, compressed_layers
+from phasekv.probes.output import write_result
 
 log = logging.getLogger(__name__)
-
-VECTOR_NOTE = "vector gates: effective numbers computed per channel, then averaged over channels"
 
 
 def _batches(prompt_ids: torch.Tensor | list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
@@ -103,8 +108,6 @@ def gate_report(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[torc
     if any(g["kind"] == "vector" for g in gates):
         result["note"] = VECTOR_NOTE
     if out_dir is not None:
-        from phasekv.probes.figures import plot_concentration_plane, plot_gate_profiles
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         plane = plot_concentration_plane(gates, out / "concentration_plane.png")
@@ -154,6 +157,4 @@ def gate_trajectory(run_dir: str | Path, prompt_ids: torch.Tensor | list[torch.T
         g["static"] = [stats[j]["static"] for stats in per_step]
         g["per_window"] = [stats[j]["per_window"] for stats in per_step]
     result: dict[str, Any] = {"run": str(run), "steps": steps, "gates": gates}
-    from phasekv.probes.figures import plot_gate_trajectory, write_result
-
     return write_result(out_dir, "gate_trajectory", result, plot_gate_trajectory)

@@ -32,7 +32,9 @@ from tqdm import tqdm
 from phasekv.data.protocols import EvalSet, build_eval_set
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.runner import predict
+from phasekv.figures.probes import plot_knockout_map
 from phasekv.probes.hooks import QueryOnly, capture_final_head_outputs, mean_knockout
+from phasekv.probes.output import write_result
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,5 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
               "n_calibration": len(calib_set.queries()), "eval_seed": eval_set.settings.get("seed"),
               "calibration_seed": calib_set.settings.get("seed"), "clean": clean, "rows": rows, "heatmap": None}
     if out_dir is not None:
-        from phasekv.probes.figures import plot_knockout_map, write_result
-
         write_result(out_dir, "knockout", result, plot_knockout_map, key="heatmap")
     return result

@@ -12,8 +12,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from phasekv.evaluate.plots import plot_residue_curves
-from phasekv.probes.figures import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
+from phasekv.figures.evaluation import plot_residue_curves
+from phasekv.figures.probes import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;line-height:1.45}

@@ -4,7 +4,7 @@
   optimum.py  Theorem 1: the oracle optimum is one-hot and adjacent, distinct across heads at eps = 0
   flow.py     Theorem 2: gradient flow of log-linear gates concentrates each head on one position
   run.py      `run_theory`: all checks, the retrieval prediction by position, JSON summary
-  figures.py  the PNG figures;  cli.py: the `phasekv theory` subcommand
+  cli.py      the `phasekv theory` subcommand (its figures: phasekv.figures.theory)
 """
 
 from phasekv.theory.flow import FlowConfig, train_gates

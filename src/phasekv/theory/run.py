@@ -312,7 +312,7 @@ def run_theory(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict:
 
 
 def _run_theory(out: Path, seed: int, quick: bool) -> dict:
-    from phasekv.theory.figures import write_figures  # matplotlib only when figures are drawn
+    from phasekv.figures.theory import write_theory_figures  # matplotlib only when figures are drawn
 
     out.mkdir(parents=True, exist_ok=True)
     settings = _settings(quick)
@@ -343,7 +343,7 @@ def _run_theory(out: Path, seed: int, quick: bool) -> dict:
     ret = timed("retrieval", retrieval, settings, final, result, gen)
     summary = {"seed": seed, "quick": quick, "config": dataclasses.asdict(settings["base"]),
                "loss_check": checks, "theorem1": t1, "theorem2": t2, "retrieval": ret}
-    summary["figures"] = timed("figures", write_figures, out, summary, result, t1_plot)
+    summary["figures"] = timed("figures", write_theory_figures, out, summary, result, t1_plot)
     timings["total"] = round(time.perf_counter() - start, 2)
     summary["timings_s"] = timings
     (out / "theory_summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,8 +1,8 @@
 """Figures of the mechanistic probes (PAPER.md section 4): knockout map, concentration plane, gate
-profiles, gate trajectories and gate cycling.
+profiles, gate trajectory and gate cycling.
 
-Each function reads the JSON-ready dict (or list) its probe returns, draws on matplotlib's Agg canvas
-directly (no pyplot: no global backend switch, no figures left open) and writes a PNG.
+Each function reads the JSON-ready dict (or list) its probe in `phasekv.probes` returns, writes a PNG
+and returns its path.
 """
 
 from __future__ import annotations
@@ -12,26 +12,13 @@ from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import PercentFormatter
 
-from phasekv.probes.gates import VECTOR_NOTE
+from phasekv.figures.common import new_figure, save
 
-
-def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+VECTOR_NOTE = "vector gates: effective numbers computed per channel, then averaged over channels"
 
 
 def _gate_name(g: dict[str, Any]) -> str:
@@ -47,7 +34,7 @@ def plot_knockout_map(result: dict[str, Any], path: str | Path) -> Path:
     rows, S = result["rows"], result["stride"]
     data = np.array([[np.nan if v is None else v for v in r["per_phase_rel_change_pct"]] for r in rows], dtype=float)
     labels = [f"L{r['layer']}" + (" all heads" if r["kv_head"] is None else f" KV{r['kv_head']}") for r in rows]
-    fig = _figure(max(5.0, 0.8 * S + 3), max(3.0, 0.32 * len(rows) + 2))
+    fig = new_figure(max(5.0, 0.8 * S + 3), max(3.0, 0.32 * len(rows) + 2))
     ax = fig.add_subplot()
     finite = data[np.isfinite(data)]
     low, high = -100.0, max(100.0, float(finite.max()) if finite.size else 0.0)  # a loss is at most -100%
@@ -67,12 +54,12 @@ def plot_knockout_map(result: dict[str, Any], path: str | Path) -> Path:
     ax.set_title(f"{result['model']}: mean-replacement knockout, {result['protocol']} padding\n"
                  f"{result['n_prompts']} prompts, mean over {result['n_calibration']} calibration prompts; "
                  "grey: clean accuracy 0", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_concentration_plane(gates: list[dict[str, Any]], path: str | Path) -> Path:
     """Static vs per-window effective number of offsets, one point per gate, with the diagonal."""
-    fig = _figure(6.4, 6.0)
+    fig = new_figure(6.4, 6.0)
     ax = fig.add_subplot()
     top = max(g["window"] for g in gates)
     ax.plot([1, top], [1, top], color="0.5", ls="--", lw=1)
@@ -96,7 +83,7 @@ def plot_concentration_plane(gates: list[dict[str, Any]], path: str | Path) -> P
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     note = f"\n({VECTOR_NOTE})" if any(g["kind"] == "vector" for g in gates) else ""
     ax.set_title(f"Gate concentration plane: {len(gates)} gates{note}", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_gate_profiles(gates: list[dict[str, Any]], path: str | Path, top: int = 4) -> Path:
@@ -107,7 +94,7 @@ def plot_gate_profiles(gates: list[dict[str, Any]], path: str | Path, top: int =
         by_head.setdefault((g["layer"], g["kv_head"]), {})[g["branch"]] = g
     heads = sorted(by_head.values(), key=lambda b: b["k"]["static"])[:max(1, top)]
     cols = max(len(b) for b in heads)
-    fig = _figure(4.2 * cols, 2.3 * len(heads) + 0.6)
+    fig = new_figure(4.2 * cols, 2.3 * len(heads) + 0.6)
     axes = fig.subplots(len(heads), cols, squeeze=False, sharey=True)
     for row, branches in zip(axes, heads):
         for ax, branch in zip(row, ("k", "v")):
@@ -125,12 +112,12 @@ def plot_gate_profiles(gates: list[dict[str, Any]], path: str | Path, top: int =
             ax.set_xlabel("offset in window", fontsize=8)
         row[0].set_ylabel("mean gate weight", fontsize=8)
     fig.suptitle(f"Gate profiles of the {len(heads)} most concentrated heads (dotted: uniform 1/W)", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_gate_trajectory(result: dict[str, Any], path: str | Path) -> Path:
     """Static and per-window concentration of every gate across the saved steps of a run."""
-    fig = _figure(11, 4.6)
+    fig = new_figure(11, 4.6)
     axes = fig.subplots(1, 2, sharey=True)
     heads = sorted({(g["layer"], g["kv_head"]) for g in result["gates"]})
     cmap = colormaps["tab20" if len(heads) > 10 else "tab10"]
@@ -148,53 +135,54 @@ def plot_gate_trajectory(result: dict[str, Any], path: str | Path) -> Path:
         fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=7,
                    title="solid K, dashed V", title_fontsize=7)
     fig.suptitle(f"Gate concentration across training: {result['run']}", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_cycling(result: dict[str, Any], path: str | Path) -> Path:
     """Per delta: observed per-phase accuracy after cycling vs the prediction A_0((r - delta) mod S);
-    the last panel shows R^2 (excluding the boundary phase and all phases) against delta."""
+    the last panel shows R^2 (excluding the boundary phase and all phases) against delta.
+
+    The boundary phases `result["boundary_phases"]` (default [S - 1]) are shaded in every panel."""
     rows, S = result["deltas"], result["stride"]
+    boundaries = [int(b) for b in result.get("boundary_phases", [S - 1])]
     cols = 4
     n_rows = (len(rows) + 1 + cols - 1) // cols
-    fig = _figure(3.4 * cols, 2.9 * n_rows + 0.6)
+    fig = new_figure(3.4 * cols, 2.9 * n_rows + 0.6)
     axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
-    phases = np.arange(S)
     for ax, row in zip(axes, rows):
-        ax.plot(phases, 100 * np.array(row["predicted"]), "s--", color="0.5", ms=4, label="predicted A0((r-d) mod S)")
-        ax.plot(phases, 100 * np.array(row["observed"]), "o-", color="C0", ms=4, label="observed")
-        ax.axvspan(S - 1.5, S - 0.5, color="C3", alpha=0.1)
-        r2 = row["r2_excl_boundary"]
-        ax.set_title(f"delta {row['delta']:+d}: R2 {'n/a' if r2 is None else f'{r2:.2f}'} excl. boundary, "
-                     f"MAE {100 * row['mae']:.1f} pp", fontsize=8)
-        ax.set_xticks(phases)
-        ax.set_ylim(0, 105)
-        ax.yaxis.set_major_formatter(PercentFormatter(100))
-        ax.set_xlabel("phase r", fontsize=8)
+        _cycling_panel(ax, row, S, boundaries)
     axes[0].legend(fontsize=7, loc="lower left")
-    summary = axes[len(rows)]
-    deltas = [r["delta"] for r in rows]
-    for key, style, label in (("r2_excl_boundary", "o-", "R2 excl. boundary"), ("r2_all", "s--", "R2 all phases")):
-        summary.plot(deltas, [np.nan if r[key] is None else r[key] for r in rows], style, label=label)
-    summary.set_xlabel("delta")
-    summary.set_title("fit of the prediction", fontsize=9)
-    summary.legend(fontsize=7)
-    summary.grid(alpha=0.3)
+    _cycling_summary(axes[len(rows)], rows)
     for ax in axes[len(rows) + 1:]:
         ax.set_axis_off()
-    fig.suptitle(f"{result['model']}: gate cycling (S = {S}, shaded: boundary phase {S - 1}), "
+    shaded = f"boundary phase{'' if len(boundaries) == 1 else 's'} {', '.join(map(str, boundaries)) or 'none'}"
+    fig.suptitle(f"{result['model']}: gate cycling (S = {S}, shaded: {shaded}), "
                  f"{result['protocol']} padding, {result['n_prompts']} prompts", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def write_result(out_dir: str | Path, stem: str, result: dict[str, Any], plot, key: str = "figure") -> dict[str, Any]:
-    """Draw `plot(result, out_dir/stem.png)`, record its path under `key`, write out_dir/stem.json."""
-    import json
-    import logging
+def _cycling_panel(ax, row: dict[str, Any], S: int, boundaries: list[int]) -> None:
+    """One delta: predicted and observed accuracy per phase, the boundary phases shaded."""
+    phases = np.arange(S)
+    ax.plot(phases, 100 * np.array(row["predicted"]), "s--", color="0.5", ms=4, label="predicted A0((r-d) mod S)")
+    ax.plot(phases, 100 * np.array(row["observed"]), "o-", color="C0", ms=4, label="observed")
+    for b in boundaries:
+        ax.axvspan(b - 0.5, b + 0.5, color="C3", alpha=0.1)
+    r2 = row["r2_excl_boundary"]
+    ax.set_title(f"delta {row['delta']:+d}: R2 {'n/a' if r2 is None else f'{r2:.2f}'} excl. boundary, "
+                 f"MAE {100 * row['mae']:.1f} pp", fontsize=8)
+    ax.set_xticks(phases)
+    ax.set_ylim(0, 105)
+    ax.yaxis.set_major_formatter(PercentFormatter(100))
+    ax.set_xlabel("phase r", fontsize=8)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result[key] = str(plot(result, out / f"{stem}.png"))
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    logging.getLogger(__name__).info("wrote %s", out)
-    return result
+
+def _cycling_summary(ax, rows: list[dict[str, Any]]) -> None:
+    """R^2 of the prediction, excluding the boundary and over all phases, against delta."""
+    deltas = [r["delta"] for r in rows]
+    for key, style, label in (("r2_excl_boundary", "o-", "R2 excl. boundary"), ("r2_all", "s--", "R2 all phases")):
+        ax.plot(deltas, [np.nan if r[key] is None else r[key] for r in rows], style, label=label)
+    ax.set_xlabel("delta")
+    ax.set_title("fit of the prediction", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)

@@ -1,18 +1,20 @@
-"""Figures of the phase-sensitivity evaluation: accuracy by residue (PAPER.md sections 3 and 6).
+"""Figures of the evaluation (PAPER.md sections 3 and 6): accuracy by residue and the shift sweep.
 
-Both functions read the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json
-contract), draw with matplotlib's Agg canvas directly (no pyplot, so no global backend switch and
-no open figures left behind) and write a PNG (or any format the file suffix names).
+`plot_accuracy_by_residue` and `plot_residue_curves` read the dict that
+`phasekv.evaluate.metrics.summarize` returns (the metrics.json contract); `plot_sweep` reads the
+sweep.json dict of `phasekv.evaluate.sweep.run_sweep`.  Each writes a PNG (or any format the file
+suffix names) and returns its path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
+
+from phasekv.figures.common import new_figure, save
 
 _REQUIRED = ("stride", "residue_modulus", "mean_accuracy", "max_gap_pp", "per_residue")
 
@@ -49,7 +51,7 @@ def plot_accuracy_by_residue(metrics: dict, path: str | Path, title: str | None 
     fig.legend(loc="outside lower center", ncols=2, fontsize=8, title=", ".join(facts) or None,
                title_fontsize=8)
     ax.set_title(title or f"Top-1 accuracy by target position mod {R} (stride S = {S})")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_residue_curves(curves: dict[str, dict], path: str | Path, title: str | None = None) -> Path:
@@ -77,7 +79,36 @@ def plot_residue_curves(curves: dict[str, dict], path: str | Path, title: str | 
                     label=label)
     fig.legend(loc="outside lower center", ncols=1 if len(parsed) < 4 else 2, fontsize=8)
     ax.set_title(title or f"Top-1 accuracy by target position mod {R}")
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def plot_sweep(result: dict[str, Any], path: str | Path) -> Path:
+    """P(a) - P(b) against filler length: rankings coloured, those off the periodic pattern crossed,
+    the class means mod the detected period dashed, dotted lines every period; returns the path."""
+    rows, p = result["per_length"], result["detected_period"]
+    n = np.array([r["filler"] for r in rows])
+    diff = np.array([r["diff"] for r in rows])
+    fig = new_figure(9, 4.8)
+    ax = fig.add_subplot()
+    ax.plot(n, diff, "-", color="0.6", lw=1)
+    for choice, color in (("a", "C0"), ("b", "C3")):
+        mask = np.array([r["choice"] == choice for r in rows])
+        if mask.any():
+            ax.plot(n[mask], diff[mask], "o", color=color, ms=4, label=f"ranks {result[choice]!r} first")
+    off = np.array([r["choice"] != result["pattern"][r["filler"] % p] for r in rows])
+    if off.any():
+        ax.plot(n[off], diff[off], "x", color="k", ms=9, label=f"disagrees with the period-{p} pattern")
+    fit = np.array(result["period_fit"])
+    ax.step(n, fit[n % p], where="mid", color="k", ls="--", lw=1, label=f"class means mod {p}")
+    for boundary in range(p, int(n[-1]) + 1, p) if p > 1 else ():
+        ax.axvline(boundary - 0.5, color="0.5", ls=":", lw=0.8)
+    ax.axhline(0, color="0.3", lw=0.8)
+    ax.set_xlabel("filler tokens n (dotted lines: every detected period)")
+    ax.set_ylabel(f"P({result['a']!r}) - P({result['b']!r})")
+    ax.set_title(f"{result['model']}: shift sweep, detected period {p}, "
+                 f"{result['agreement']} of {result['n_rankings']} rankings agree with it", fontsize=10)
+    fig.legend(loc="outside lower center", ncols=4, fontsize=8)
+    return save(fig, path)
 
 
 def _curve(metrics: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
@@ -95,8 +126,7 @@ def _curve(metrics: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
 
 def _new_axes(R: int, stride: int | None):
     """Figure with residue x axis, percent y axis, phase boundaries and a phase axis on top."""
-    fig = Figure(figsize=(9, 5.4), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(9, 5.4)
     ax = fig.add_subplot()
     ax.set_xlim(-0.7, R - 0.3)
     ax.set_ylim(0, 105)
@@ -114,9 +144,3 @@ def _new_axes(R: int, stride: int | None):
         top.set_xlabel(f"phase = position mod {stride} (dotted lines: window boundaries)", fontsize=8)
     return fig, ax
 
-
-def _save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path

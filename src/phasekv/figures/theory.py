@@ -1,5 +1,7 @@
 """Figures of the theory run (PAPER.md section 5): training, concentration, retrieval, the optimum.
 
+`write_theory_figures` draws all four into one directory:
+
   theory_training.png       loss over training, each head's static p^K(r), p^V(r) (the trajectory of
                             concentration) for the first run, and how often heads collide against rho;
   theory_concentration.png  effective number of offsets (static exp(H(E[p])), per-window E[exp(H(p))])
@@ -14,28 +16,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from phasekv.figures.common import new_figure, save
 
-from phasekv.theory.flow import FlowResult  # noqa: E402
+if TYPE_CHECKING:
+    from phasekv.theory.flow import FlowResult
 
 BRANCH = ("K", "V")
 
 
-def _save(fig, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return name
-
-
-def _training(out: Path, summary: dict, result: FlowResult) -> str:
+def _training(summary: dict, result: FlowResult) -> Figure:
     heads = len(result.static_p[0][0][0])
     stride = len(result.static_p[0][0][0][0])
-    fig, axes = plt.subplots(1, heads + 2, figsize=(4.2 * (heads + 2), 3.4))
+    fig = new_figure(4.2 * (heads + 2), 3.4)
+    axes = fig.subplots(1, heads + 2)
     ax = axes[0]
     runs = list(zip(*result.loss))
     for run in runs[1:]:
@@ -69,12 +66,13 @@ def _training(out: Path, summary: dict, result: FlowResult) -> str:
     ax.set(xscale="log", xlabel="initialization radius rho", ylabel="fraction of runs",
            title="two heads on the same r_h", ylim=(-0.02, max(0.5, t2["chance_collision_rate"] + 0.1)))
     ax.legend(fontsize=8)
-    return _save(fig, out, "theory_training.png")
+    return fig
 
 
-def _concentration(out: Path, summary: dict, result: FlowResult) -> str:
+def _concentration(summary: dict, result: FlowResult) -> Figure:
     heads = len(result.eff_static[0][0][0])
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig = new_figure(14, 3.8)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     for h in range(heads):
         for b, style in zip(range(2), ("-", "--")):
             static = [e[0][b][h] for e in result.eff_static]
@@ -102,12 +100,13 @@ def _concentration(out: Path, summary: dict, result: FlowResult) -> str:
             title="speed of static concentration")
     ax3.set_xticks([r["kappa"] for r in kappa_rows], [f"{r['kappa']:g}" for r in kappa_rows])
     ax3.minorticks_off()
-    return _save(fig, out, "theory_concentration.png")
+    return fig
 
 
-def _retrieval(out: Path, summary: dict) -> str:
+def _retrieval(summary: dict) -> Figure:
     ret = summary["retrieval"]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    fig = new_figure(16, 3.5)
+    axes = fig.subplots(1, 4)
     ax = axes[0]
     prob = ret["trained_prob_by_position"]
     covered = set(ret["trained_covered_positions"])
@@ -129,12 +128,13 @@ def _retrieval(out: Path, summary: dict) -> str:
         if key == "vocab":
             ax.set_xscale("log", base=2)
         ax.legend(fontsize=8)
-    return _save(fig, out, "theory_retrieval.png")
+    return fig
 
 
-def _optimum(out: Path, summary: dict, plot: dict) -> str:
+def _optimum(summary: dict, plot: dict) -> Figure:
     t1 = summary["theorem1"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    fig = new_figure(14, 3.6)
+    axes = fig.subplots(1, 3)
     ax = axes[0]
     enumerated = plot["enumerated"].tolist()
     ax.plot(enumerated, color="C0", label="one-hot assignments, sorted")
@@ -161,10 +161,19 @@ def _optimum(out: Path, summary: dict, plot: dict) -> str:
            title="> 0: a spread assignment beats one-hot")
     ax.set_xticks([r["beta"] for r in scan], [f"{r['beta']:g}" for r in scan])
     ax.minorticks_off()
-    return _save(fig, out, "theory_optimum.png")
+    return fig
 
 
-def write_figures(out: Path, summary: dict, result: FlowResult, theorem1_plot: dict) -> list[str]:
-    """Draw every figure into out; return their file names."""
-    return [_training(out, summary, result), _concentration(out, summary, result), _retrieval(out, summary),
-            _optimum(out, summary, theorem1_plot)]
+def write_theory_figures(out: str | Path, summary: dict, result: FlowResult, theorem1_plot: dict) -> list[str]:
+    """Draw every figure of the theory run into `out` (the module docstring); return their file names.
+
+    `summary` is run_theory's summary, `result` the FlowResult of its first batch of runs (read:
+    steps, loss, static_p, eff_static, eff_window) and `theorem1_plot` theorem1_check's plot data
+    ("enumerated" and "random" context losses, anything with `.tolist()`)."""
+    figures = {"theory_training.png": _training(summary, result),
+               "theory_concentration.png": _concentration(summary, result),
+               "theory_retrieval.png": _retrieval(summary),
+               "theory_optimum.png": _optimum(summary, theorem1_plot)}
+    for name, fig in figures.items():
+        save(fig, Path(out) / name)
+    return list(figures)

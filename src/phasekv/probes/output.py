@@ -1,0 +1,22 @@
+"""Writing a probe's result: its JSON file and its figure side by side."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def write_result(out_dir: str | Path, stem: str, result: dict[str, Any],
+                 plot: Callable[[dict[str, Any], Path], Path], key: str = "figure") -> dict[str, Any]:
+    """Draw `plot(result, out_dir/stem.png)`, record its path under `key`, write out_dir/stem.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result[key] = str(plot(result, out / f"{stem}.png"))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    log.info("wrote %s", out)
+    return result
