@@ -22,7 +22,7 @@ test: lint
 	@$(VENV)/bin/pytest tests
 
 demo: $(STAMP)
-	@$(VENV)/bin/phasekv reproduce --out runs/demo
+	@$(VENV)/bin/phasekv reproduce --out runs/demo --force
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

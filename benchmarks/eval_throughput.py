@@ -21,7 +21,7 @@ from phasekv import build_model
 from phasekv.data import Vocabulary, build_eval_set
 from phasekv.evaluate.adapter import PhaseKVAdapter
 from phasekv.evaluate.runner import predict
-from phasekv.train import Experiment
+from phasekv.config import Experiment
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu" / "w8s8.yaml"
 

@@ -5,6 +5,7 @@ import torch
 
 from phasekv import build_model
 from phasekv.attention import Visible, tail_start, windowed_attention, windowed_attention_reference
+from phasekv.compression import Selection
 from tests.helpers import tiny
 
 
@@ -20,7 +21,7 @@ def test_windowed_attention_matches_reference(tail, sink, topk):
     W, S = tail or (8, 4)
     ends = torch.arange(N) * S + W - 1  # windows consistent with the tail's geometry
     vis = Visible(torch.randn(B, KVH, N, D), torch.randn(B, KVH, N, D), ends,
-                  torch.randn(B, T, N) if topk else None, topk)
+                  Selection(torch.randn(B, T, N), topk) if topk else None)
     s = torch.randn(KVH * G) if sink else None
     fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, s, tail, block=5)
     ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, L, vis, s, tail)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from phasekv.data import IGNORE, DataConfig, TrainingStream, Vocabulary
+from phasekv.config import DataConfig
+from phasekv.data import IGNORE, TrainingStream, Vocabulary
 
 
 @pytest.fixture(scope="module")
 def stream():
     cfg = DataConfig()
-    return TrainingStream(cfg.vocabulary(), cfg, seed=7)
+    return TrainingStream(Vocabulary.from_data_config(cfg), cfg, seed=7)
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -130,7 +131,7 @@ def test_supervised_labels_are_record_values_outside_the_local_window(stream):
 def test_multi_token_records_supervise_every_value_token():
     cfg = DataConfig(key_tokens=2, value_tokens=3, n_records=20, n_queries=10, prefix_max=5, outer_max=2,
                      gap_fillers=7, background_fraction=0.0)
-    s = TrainingStream(cfg.vocabulary(), cfg, seed=1)
+    s = TrainingStream(Vocabulary.from_data_config(cfg), cfg, seed=1)
     e = s.example(0)
     assert len(e.ids) == cfg.seq_len == 1 + 5 + 2 + 7 + 30 * 5
     labelled = set(np.flatnonzero(e.labels != IGNORE).tolist())
@@ -197,7 +198,6 @@ def test_validation_set_is_fixed_and_held_out(stream):
 
 
 def test_curriculum_ramps_records_and_keeps_lengths():
-    from phasekv.data import DataConfig, TrainingStream, Vocabulary
 
     cfg = DataConfig(n_records=32, curriculum_start=8, curriculum_examples=100, background_fraction=0.0)
     stream = TrainingStream(Vocabulary(), cfg, seed=0)

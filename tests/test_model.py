@@ -49,7 +49,7 @@ def test_partial_and_no_rope_change_logits_and_keep_shapes():
     (dict(compressor="nope"), "compressor"),
     (dict(layer_types=["full"]), "layer_types"),
     (dict(layer_types=["full", "bogus"]), "layer_types"),
-    (dict(gate="matrix"), "gate"),
+    (dict(compressor="gated", gate="matrix"), "gate"),
     (dict(hidden_size=0), "hidden_size"),
 ])
 def test_bad_configs_name_the_field(kwargs, field):

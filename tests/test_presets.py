@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from phasekv import ModelConfig, build_model
-from phasekv.config import load_yaml
-from phasekv.train import Experiment
+from phasekv.config import Experiment, load_yaml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-2kv", "w8s8-4kv", "w8s8-8kv",

@@ -11,6 +11,7 @@ from torch import nn
 
 from phasekv import ModelConfig, build_model
 from phasekv.checkpoint import save_checkpoint
+from phasekv.cli.probes import add_parser
 from phasekv.compression.gated import GatedCompressor
 from phasekv.data import Vocabulary, build_eval_set
 from phasekv.evaluate.adapter import HFAdapter, PhaseKVAdapter
@@ -32,7 +33,6 @@ from phasekv.probes import (
     run_cycling,
     run_knockout,
 )
-from phasekv.probes.cli import add_parser
 from phasekv.probes.cycle import r_squared
 from phasekv.probes.knockout import accuracies, relative_change
 
@@ -221,7 +221,8 @@ def test_concentration_matches_reference_on_random_alpha():
 
 
 def test_constructed_compressor_gates_have_closed_form_concentration():
-    compressor = GatedCompressor(tiny_config(num_key_value_heads=1, gate_bias=True))
+    config = tiny_config(num_key_value_heads=1, gate_bias=True)
+    compressor = GatedCompressor(config.options("gated"), config)
     h = torch.zeros(1, 12 * W, 32)  # 12 windows
     marker = torch.arange(12) * W + torch.arange(12) % W  # one marked token per window, offset j mod W
     h[0, marker, 0] = 1.0

@@ -11,6 +11,7 @@ import torch
 
 from phasekv import ModelConfig, build_model
 from phasekv.checkpoint import save_checkpoint
+from phasekv.cli import sweep as sweep_cli
 from phasekv.data import Vocabulary
 from phasekv.evaluate import sweep
 from phasekv.evaluate.adapter import Adapter, ModelInfo, PhaseKVAdapter
@@ -121,7 +122,7 @@ def test_bad_inputs_are_value_errors():
 
 def _run_command(argv):
     parser = argparse.ArgumentParser()
-    sweep.add_parser(parser.add_subparsers())
+    sweep_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["sweep", *argv])
     return args.func(args)
 

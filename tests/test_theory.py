@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from phasekv.theory.cli import add_parser
+from phasekv.cli.theory import add_parser
 from phasekv.theory.flow import (
     FlowConfig,
     chance_collision_rate,

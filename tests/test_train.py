@@ -13,7 +13,8 @@ import yaml
 
 import phasekv.train as train_mod
 from phasekv.checkpoint import load_checkpoint
-from phasekv.train import Experiment, read_metrics, train
+from phasekv.config import Experiment
+from phasekv.train import read_metrics, train
 
 TINY = {
     "model": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

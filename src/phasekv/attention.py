@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasekv.cache import LayerCache
+from phasekv.compression import Selection
 from phasekv.compression import build as build_compressor
 from phasekv.config import LAYER_KINDS_BUILTIN, ModelConfig
 from phasekv.layers import RMSNorm, Rotary
@@ -38,8 +39,7 @@ class Visible:
     entries_k: torch.Tensor | None  # (B, KVH, N, D)
     entries_v: torch.Tensor | None  # (B, KVH, N, D)
     entries_end: torch.Tensor | None  # (N,) last token position of each entry's window
-    index_scores: torch.Tensor | None = None  # (B, Tq, N) top-k indexer scores (CSA only)
-    index_topk: int = 0
+    selection: Selection | None = None  # the compressor's choice of entries per query (None: all visible)
 
 
 def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
@@ -51,9 +51,10 @@ def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
 def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
     """(B or 1, Tq, n) True where entry j is usable by the query."""
     ok = (vis.entries_end[:n][None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
-    if vis.index_topk and n > vis.index_topk:
-        scores = vis.index_scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
-        keep = scores.topk(vis.index_topk, dim=-1).indices
+    sel = vis.selection
+    if sel is not None and n > sel.k:
+        scores = sel.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
+        keep = scores.topk(sel.k, dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
         ok = ok & chosen
     return ok
@@ -88,11 +89,11 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
             ek = vis.entries_k[:, :, :n]
             logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek))  # (B, KVH, G, nb, n)
             sub = Visible(vis.entries_k, vis.entries_v, vis.entries_end,
-                          None if vis.index_scores is None else vis.index_scores[:, a:b], vis.index_topk)
+                          None if vis.selection is None else vis.selection.rows(a, b))
             masks.append(_entry_mask(sub, pos, n))  # (1 or B, nb, n)
         if sink is not None:
             logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype) / scale)
-            masks.append(torch.ones(1, b - a, 1, dtype=torch.bool))
+            masks.append(torch.ones(1, b - a, 1, dtype=torch.bool, device=q.device))
         width = max(m.shape[0] for m in masks)
         mask = torch.cat([m.expand(width, -1, -1) for m in masks], dim=-1)[:, None, None]  # (B|1, 1, 1, nb, M)
         scores = (torch.cat(logits, dim=-1) * scale).masked_fill_(~mask, float("-inf"))
@@ -116,8 +117,8 @@ def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink
         raw = [j for j in range(k_all.shape[2]) if int(k_pos[j]) >= max(first_raw, 0) and int(k_pos[j]) <= t]
         n = 0 if vis.entries_k is None else int((vis.entries_end <= t).sum())
         chosen = list(range(n))
-        if vis.index_topk and n > vis.index_topk:
-            chosen = sorted(vis.index_scores[0, i, :n].topk(vis.index_topk).indices.tolist())
+        if vis.selection is not None and n > vis.selection.k:
+            chosen = sorted(vis.selection.scores[0, i, :n].topk(vis.selection.k).indices.tolist())
             assert B == 1, "reference indexer selection is written for batch 1"
         keys = torch.cat([k_all[:, :, raw], vis.entries_k[:, :, chosen] if n else k_all[:, :, :0]], dim=2)
         vals = torch.cat([v_all[:, :, raw], vis.entries_v[:, :, chosen] if n else v_all[:, :, :0]], dim=2)
@@ -149,9 +150,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.rotary = Rotary(D, config.rope_dims, config.rope_part, config.rope_theta)
-        self.compressor = None if self.kind in LAYER_KINDS_BUILTIN else build_compressor(config, self.kind)
+        self.compressor = None if self.kind in LAYER_KINDS_BUILTIN else build_compressor(
+            config, self.kind, config.window_offset(layer_idx))
         self.tail = None
-        self.window_offset = config.window_offset(layer_idx)
         self.local = config.local_window
         if self.compressor is not None and config.uncompressed_tail:
             self.tail = (self.compressor.window, self.compressor.stride)
@@ -167,7 +168,7 @@ class Attention(nn.Module):
             return LayerCache()
         hidden = self.q_proj.in_features
         cache = LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
-        cache.pending_start = self.window_offset
+        cache.pending_start = 0 if self.compressor is None else self.compressor.offset
         return cache
 
     def _norm_rope(self, x: torch.Tensor, norm: str, positions: torch.Tensor) -> torch.Tensor:
@@ -228,10 +229,8 @@ class Attention(nn.Module):
             consumed = nk.shape[2] * self.compressor.stride
             cache.pending_h, cache.pending_start = h[:, consumed:], cache.pending_start + consumed
             vis = Visible(cache.entries_k, cache.values(), cache.entries_end)
-            if getattr(self.compressor, "index_topk", 0) and vis.entries_k.shape[2]:
-                ent = vis.entries_k.transpose(1, 2)  # (B, N, KVH, D)
-                vis.index_scores = self.compressor.index_scores(x, ent)
-                vis.index_topk = self.compressor.index_topk
+            if vis.entries_k is not None:
+                vis.selection = self.compressor.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
         cache.raw_k, cache.raw_v, cache.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]
         if keep:
             cache.compact()

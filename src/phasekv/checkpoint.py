@@ -1,17 +1,18 @@
 """Checkpoints: `config.json` + `model.safetensors` (+ trainer state), written atomically, loaded
 without unpickling anything.
 
-A checkpoint is a directory.  A training run directory holds `checkpoints/step_NNNNNN/` directories
-and a `latest` file naming the newest; `load_checkpoint` accepts either a checkpoint directory or a
-run directory.  Each checkpoint directory is written under a temporary name and renamed into place,
-and `latest` is replaced with os.replace, so a crash at any moment leaves the previous checkpoint
-intact and pointed to.
+Any model family (`phasekv.families`) saves and loads the same way; the `model` section of
+config.json says which family and config to rebuild.  A checkpoint is a directory.  A training run
+directory holds `checkpoints/step_NNNNNN/` directories and a `latest` file naming the newest;
+`load_checkpoint` accepts either a checkpoint directory or a run directory.  Each checkpoint
+directory is written under a temporary name, flushed and renamed into place, and `latest` is
+replaced with os.replace, so a crash at any moment leaves the previous checkpoint intact and
+pointed to.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,20 +21,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from phasekv.config import ModelConfig
-from phasekv.model import PhaseKVForCausalLM, build_model
+from phasekv import families
+from phasekv.config import ModelConfig, TransformersModelConfig, model_config_from_dict, parse_json
+from phasekv.outputs import fsync_tree, publish, write_atomic
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-
-
-def write_atomic(path: Path, content: str | bytes) -> None:
-    """Write a file under a temporary name, then rename it into place (never half-written)."""
-    tmp = path.with_name(path.name + ".tmp")
-    if isinstance(content, bytes):
-        tmp.write_bytes(content)
-    else:
-        tmp.write_text(content)
-    os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -67,13 +59,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, experiment: d
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))
     for name, data in (extra_json or {}).items():
         (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    if directory.exists():
-        old = directory.with_name(directory.name + ".old")
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, directory)
+    fsync_tree(tmp)
+    publish(tmp, directory)
     return directory
 
 
@@ -83,20 +70,28 @@ def resolve(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path}: no such file or directory")
     if (path / "latest").is_file():
-        name = (path / "latest").read_text().strip()
-        path = path / "checkpoints" / name
+        path = latest_checkpoint(path)
     if not (path / MODEL_FILE).is_file() or not (path / CONFIG_FILE).is_file():
         raise ValueError(f"checkpoint {path}: expected {CONFIG_FILE} and {MODEL_FILE} (or a run directory "
                          "with a 'latest' file)")
     return path
 
 
+def latest_checkpoint(run: Path) -> Path:
+    """The checkpoint directory a run's `latest` file names (never a path outside run/checkpoints)."""
+    name = (run / "latest").read_text(errors="replace").strip()
+    if not name.startswith("step_") or not name[5:].isdigit():
+        raise ValueError(f"run {run}: 'latest' names {name[:40]!r}, not a checkpoint step_NNNNNN")
+    return run / "checkpoints" / name
+
+
 def read_experiment(path: str | Path) -> dict[str, Any]:
     path = resolve(path)
     try:
-        tree = json.loads((path / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc.msg})") from None
+        text = (path / CONFIG_FILE).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"checkpoint {path}: {CONFIG_FILE} is unreadable ({exc})") from None
+    tree = parse_json(text, f"checkpoint {path}: {CONFIG_FILE}")
     if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
         raise ValueError(f"checkpoint {path}: {CONFIG_FILE} has no 'model' section")
     return tree
@@ -110,17 +105,27 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
                          "it may be truncated or corrupted") from None
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32) -> tuple[PhaseKVForCausalLM, ModelConfig]:
-    """(model in eval mode, its ModelConfig) from a checkpoint or run directory."""
-    path = resolve(path)
-    config = ModelConfig.from_dict(read_experiment(path)["model"])
-    model = build_model(config)
-    state = load_tensors(path / MODEL_FILE)
-    expected = set(_state_dict_for_saving(model, None))
-    if set(state) != expected:
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"checkpoint {path}: weights do not match the config "
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Load `state` into `model` strictly: the same names (tied weights stored once) and shapes."""
+    expected = _state_dict_for_saving(model, None)
+    if set(state) != set(expected):
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise ValueError(f"checkpoint {where}: weights do not match the config "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"checkpoint {where}: weight {name} has shape {tuple(tensor.shape)}, the config "
+                             f"needs {tuple(expected[name].shape)}")
+    dtype = next(iter(expected.values())).dtype if expected else torch.float32
+    # strict=False only for the tied aliases _state_dict_for_saving leaves out (checked above)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+                    ) -> tuple[torch.nn.Module, ModelConfig | TransformersModelConfig]:
+    """(model in eval mode, its config) from a checkpoint or run directory, of either model family."""
+    path = resolve(path)
+    config = model_config_from_dict(read_experiment(path)["model"])
+    model = families.build(config)
+    load_weights(model, load_tensors(path / MODEL_FILE), path)
     return model.to(device=device, dtype=dtype).eval(), config

@@ -16,157 +16,44 @@ gates/step_NNNNNN.safetensors (every checkpoint's gate parameters, for gate traj
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from phasekv.checkpoint import load_tensors, resolve, save_checkpoint, write_atomic, write_json_atomic
-from phasekv.config import ModelConfig, _only_known, apply_overrides, load_yaml
-from phasekv.data.lookup import DataConfig, TrainingStream
+from phasekv import distributed, families
+from phasekv.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    latest_checkpoint,
+    load_tensors,
+    load_weights,
+    save_checkpoint,
+    write_json_atomic,
+)
+from phasekv.compression import compressor_parameters, compressors_of
+from phasekv.config import Experiment, TrainConfig, parse_json
+from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
-from phasekv.model import build_model
+from phasekv.outputs import recover, write_atomic
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 64  # global batch (sequences per optimizer step, all ranks, all micro-batches)
-    grad_accum: int = 1
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    gate_lr_mult: float = 1.0  # learning-rate multiplier of the compressor gates (Z, b)
-    seed: int = 42
-    log_every: int = 10
-    eval_every: int = 100
-    eval_sequences: int = 256
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    device: str = "auto"  # "auto", "cpu", "cuda"
-    threads: int = 0  # torch CPU threads (0: torch's default)
-    save_dtype: str = "float32"  # dtype of the final model.safetensors ("float16" for bundling)
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "eval_sequences",
-                     "checkpoint_every", "keep_checkpoints"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"train.{name}: must be a positive integer, got {value!r}")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"train.warmup_steps: must be in [0, steps={self.steps}], got {self.warmup_steps}")
-        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1):
-            raise ValueError(f"train.lr / train.min_lr_ratio: need lr > 0 and 0 <= min_lr_ratio <= 1, "
-                             f"got {self.lr}, {self.min_lr_ratio}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"train.device: must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.save_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"train.save_dtype: must be float32, float16 or bfloat16, got {self.save_dtype!r}")
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup to lr, then cosine to lr * min_lr_ratio at the last step."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass
-class Experiment:
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig
-    tree: dict[str, Any]  # the resolved experiment as plain data (written to config.json)
-
-    @classmethod
-    def from_tree(cls, tree: dict[str, Any]) -> Experiment:
-        for section in ("model", "data", "train"):
-            if not isinstance(tree.get(section, {}), dict):
-                raise ValueError(f"{section}: section must be a mapping")
-        unknown = sorted(set(tree) - {"model", "data", "train", "eval", "vocab", "notes"})
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown section; known: model, data, train, eval, notes")
-        model = ModelConfig.from_dict(tree["model"])
-        data = DataConfig(**_only_known(DataConfig, tree.get("data", {}), "data"))
-        train = TrainConfig(**_only_known(TrainConfig, tree.get("train", {}), "train"))
-        if data.local_window != model.local_window:
-            raise ValueError(f"data.local_window: {data.local_window} differs from model.local_window="
-                             f"{model.local_window}; retrieval must be scored outside the model's raw window")
-        resolved = {"model": model.to_dict(), "data": dataclasses.asdict(data), "train": dataclasses.asdict(train)}
-        for extra in ("eval", "notes"):
-            if extra in tree:
-                resolved[extra] = tree[extra]
-        return cls(model, data, train, resolved)
-
-    @classmethod
-    def from_file(cls, path: str | Path, overrides: list[str] = ()) -> Experiment:
-        return cls.from_tree(apply_overrides(load_yaml(path), list(overrides)))
-
-
-# ----------------------------------------------------------------------------- distributed
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(value)
-        return value
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
-def setup_distributed(device: str) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if world == 1:
-        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    dev = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
-    return Dist(rank, world, dev)
-
-
-# ----------------------------------------------------------------------------- trainer
-
-
 def gate_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every compressor parameter (gates, biases, payload maps): the gate-trajectory snapshot."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if ".compressor." in n}
+    return {n: p.detach().clone().cpu() for n, p in compressor_parameters(families.unwrap(model)).items()}
 
 
 def token_losses(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over supervised labels (labels already aligned to ids)."""
-    logits = model(ids)
+    logits = families.logits(model, ids)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
@@ -178,7 +65,7 @@ def evaluate_validation(model: torch.nn.Module, batches, device) -> dict[str, fl
     loss_sum, tokens, correct, queries = 0.0, 0, 0, 0
     for ids, labels, answer_mask in batches:
         ids, labels, answer_mask = ids.to(device), labels.to(device), answer_mask.to(device)
-        logits = model(ids).float()
+        logits = families.logits(model, ids).float()
         valid = labels != -100
         loss_sum += F.cross_entropy(logits[valid], labels[valid], reduction="sum").item()
         tokens += int(valid.sum())
@@ -189,19 +76,16 @@ def evaluate_validation(model: torch.nn.Module, batches, device) -> dict[str, fl
     return {"val_loss": loss_sum / max(tokens, 1), "val_lookup_acc": correct / max(queries, 1)}
 
 
-def is_gate_parameter(name: str) -> bool:
-    """Compressor gate maps Z and biases b (not the payload maps C)."""
-    return ".compressor." in name and ("_gate" in name)
-
-
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with three groups: matrices (decayed), vectors and embeddings (not decayed), and the
     compressor gates (not decayed, so decay does not pull them towards uniform; lr * gate_lr_mult)."""
+    gates = {id(p) for _, c in compressors_of(model) for p in c.gate_parameters().values()}
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     groups: dict[str, list] = {"decay": [], "no_decay": [], "gates": []}
-    for n, p in model.named_parameters():
-        if is_gate_parameter(n):
+    for p in model.parameters():
+        if id(p) in gates:
             groups["gates"].append(p)
-        elif p.dim() >= 2 and "embed" not in n:
+        elif p.dim() >= 2 and id(p) not in embeddings:
             groups["decay"].append(p)
         else:
             groups["no_decay"].append(p)
@@ -211,25 +95,32 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False)
 
 
-def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabulary, dtype=None) -> None:
+def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabulary) -> None:
     name = f"step_{step:06d}"
     gates = gate_parameters(model)
     opt_tensors, opt_meta = _optimizer_to_tensors(optimizer)
     save_checkpoint(run / "checkpoints" / name, model, {**exp.tree, "vocab": vocab.to_dict()},
                     extra_tensors={"optimizer.safetensors": opt_tensors, **({"gates.safetensors": gates}
                                                                               if gates else {})},
-                    extra_json={"trainer_state.json": {"step": step, "optimizer": opt_meta}}, dtype=dtype)
+                    extra_json={"trainer_state.json": {"step": step, "optimizer": opt_meta}})
     if gates:
         (run / "gates").mkdir(exist_ok=True)
         write_atomic(run / "gates" / f"{name}.safetensors",
                      (run / "checkpoints" / name / "gates.safetensors").read_bytes())
     write_atomic(run / "latest", name + "\n")
-    kept = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_") and p.is_dir()
-                  and not p.name.endswith((".tmp", ".old")))
-    for old in kept[:-exp.train.keep_checkpoints]:
+    for old in _kept_checkpoints(run)[:-exp.train.keep_checkpoints]:
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
+
+
+def _kept_checkpoints(run: Path) -> list[Path]:
+    """Complete checkpoint directories of a run, oldest first."""
+    folder = run / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")
+                  and p.name[5:].isdigit())
 
 
 def _optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -255,10 +146,91 @@ def _optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str,
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
+
+def _read_state(ck: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state, fully validated (nothing is changed before this succeeds)."""
+    state = parse_json((ck / "trainer_state.json").read_text(errors="replace"), f"checkpoint {ck}: trainer_state.json")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool) \
+            or state["step"] < 0 or not isinstance(state.get("optimizer"), dict):
+        raise ValueError(f"checkpoint {ck}: trainer_state.json needs an integer 'step' >= 0 and an 'optimizer' "
+                         "mapping")
+    return state
+
+
+def _load_resume_point(run: Path, model, optimizer) -> int:
+    """Load the newest readable checkpoint of `run` into model and optimizer; its step.  An unreadable
+    newest checkpoint falls back to the previous kept one, with a warning."""
+    newest = latest_checkpoint(run)
+    candidates = [newest] + [p for p in reversed(_kept_checkpoints(run)) if p != newest]
+    errors = []
+    for ck in candidates:
+        try:
+            state = _read_state(ck)
+            weights = load_tensors(ck / MODEL_FILE)
+            opt = load_tensors(ck / "optimizer.safetensors")
+            load_weights(model, weights, ck)
+            _optimizer_from_tensors(optimizer, opt, state["optimizer"])
+        except (ValueError, OSError, KeyError) as exc:
+            errors.append(f"{ck.name}: {exc}")
+            log.warning("checkpoint %s is unreadable (%s); trying the previous one", ck, exc)
+            continue
+        if ck != newest:
+            log.warning("resuming from %s: the newest checkpoint %s was unreadable", ck.name, newest.name)
+        return state["step"]
+    raise ValueError(f"--resume {run}: no readable checkpoint ({'; '.join(errors)[:300]})")
+
+
+def check_resume_config(run: Path, exp: Experiment) -> None:
+    """The resolved experiment must match the run's: model and data exactly, train except the fields
+    that may change on resume (TrainConfig.RESUMABLE)."""
+    saved = parse_json((run / CONFIG_FILE).read_text(errors="replace"), f"run {run}: {CONFIG_FILE}")
+    if not isinstance(saved, dict):
+        raise ValueError(f"run {run}: {CONFIG_FILE} is not a mapping")
+    saved = Experiment.from_tree({k: v for k, v in saved.items() if k != "vocab"}).tree  # resolved like exp
+    for section in ("model", "data", "train"):
+        old, new = saved.get(section, {}), exp.tree[section]
+        for key in sorted(set(old) | set(new)):
+            if section == "train" and key in TrainConfig.RESUMABLE:
+                continue
+            if old.get(key) != new.get(key):
+                raise ValueError(f"--resume: {section}.{key} is {new.get(key)!r} but the run was trained with "
+                                 f"{old.get(key)!r}; only train.{', train.'.join(TrainConfig.RESUMABLE)} may change")
+
+
+def _prepare_run(run: Path, exp: Experiment, resume: bool, dd, model, optimizer) -> int:
+    """Create or reopen the run directory; the step to start from."""
+    if resume and (run / "latest").is_file():
+        check_resume_config(run, exp)
+        start = _load_resume_point(run, model, optimizer)
+        if dd.main:
+            _truncate_metrics(run / "metrics.jsonl", start)
+            log.info("resumed %s at step %d", run, start)
+        return start
+    if not dd.main:
+        return 0  # rank 0 checks and creates the run directory
+    if (run / "latest").exists():
+        raise ValueError(f"--out {run}: already holds a run; pass --resume to continue it or choose a new dir")
+    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+        raise ValueError(f"--out {run}: exists and is not an empty directory (and holds no checkpoint); "
+                         "choose a new directory")
+    run.mkdir(parents=True, exist_ok=True)
+    write_atomic(run / "metrics.jsonl", "")
+    return 0
+
+
+def _check_trainable(model: torch.nn.Module, exp: Experiment, vocab: Vocabulary) -> None:
+    if vocab.size > exp.model.vocab_size:
+        raise ValueError(f"model.vocab_size: {exp.model.vocab_size} is smaller than the data vocabulary ({vocab.size})")
+    for _, c in compressors_of(model):
+        problem = c.training_problem()
+        if problem:
+            raise ValueError(f"model.{c.name}: cannot be trained here: {problem}")
+
+
 def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool = True) -> dict[str, float]:
     """Train `exp` into run directory `out`; returns the last logged metrics."""
     cfg = exp.train
-    dd = setup_distributed(cfg.device)
+    dd = distributed.setup(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.batch_size % (dd.world * cfg.grad_accum):
@@ -266,30 +238,49 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
                          f"{dd.world * cfg.grad_accum}")
     run = Path(out)
     vocab = Vocabulary.from_data_config(exp.data)
-    if vocab.size > exp.model.vocab_size:
-        raise ValueError(f"model.vocab_size: {exp.model.vocab_size} is smaller than the data vocabulary ({vocab.size})")
     torch.manual_seed(cfg.seed)
-    model = build_model(exp.model).to(dd.device)
+    model = families.build(exp.model)
+    _check_trainable(model, exp, vocab)
+    model = model.to(dd.device)
     optimizer = build_optimizer(model, cfg)
-    start = 0
-    if resume and (run / "latest").is_file():
-        ck = resolve(run)
-        model.load_state_dict(load_tensors(ck / "model.safetensors"), strict=False)
-        state = json.loads((ck / "trainer_state.json").read_text())
-        _optimizer_from_tensors(optimizer, load_tensors(ck / "optimizer.safetensors"), state["optimizer"])
-        start = state["step"]
-        if dd.main:
-            _truncate_metrics(run / "metrics.jsonl", start)
-            log.info("resumed %s at step %d", run, start)
-    elif dd.main:
-        if (run / "latest").exists():
-            raise ValueError(f"--out {run}: already holds a run; pass --resume to continue it or choose a new dir")
-        run.mkdir(parents=True, exist_ok=True)
-        (run / "metrics.jsonl").write_text("")
+    start = _prepare_run(run, exp, resume, dd, model, optimizer)
     if dd.main:
         write_json_atomic(run / "config.json", {**exp.tree, "vocab": vocab.to_dict()})
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
+    last = _train_loop(ddp, model, optimizer, stream, exp, vocab, run, start, dd, progress)
+    if dd.main:
+        _ensure_final(run, model, exp, vocab)
+    dd.barrier()
+    return last
+
+
+def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -> tuple[float, int]:
+    """One optimizer step over the micro-batches `parts`; (global mean loss, tokens seen by all ranks)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_mult"]
+    count = dd.all_sum(torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in parts))))
+    loss_total = torch.zeros((), device=dd.device)
+    tokens = 0
+    for a, (ids, labels) in enumerate(parts):
+        ids, labels = ids.to(dd.device), labels.to(dd.device)
+        sync = a == cfg.grad_accum - 1 or dd.world == 1
+        with ddp.no_sync() if not sync else contextlib.nullcontext():
+            loss = token_losses(ddp, ids, labels) / count * dd.world  # DDP averages over ranks
+            loss.backward()
+        loss_total += loss.detach() / dd.world
+        tokens += ids.numel() * dd.world
+    loss_value = float(dd.all_sum(loss_total))
+    if math.isfinite(loss_value):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, tokens
+
+
+def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path, start: int, dd,
+                progress: bool) -> dict[str, float]:
+    cfg = exp.train
     val_batches = stream.validation_set(cfg.eval_sequences, batch_size=min(64, cfg.eval_sequences))
     micro = cfg.batch_size // (dd.world * cfg.grad_accum)
     last: dict[str, float] = {}
@@ -298,34 +289,19 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     t_last, tokens_since = time.perf_counter(), 0
     model.train()
     for step in bar:
-        lr = cfg.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group["lr_mult"]
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
-        count = dd.all_sum(torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in parts))))
-        loss_total = torch.zeros(())
-        for a, (ids, labels) in enumerate(parts):
-            ids, labels = ids.to(dd.device), labels.to(dd.device)
-            sync = a == cfg.grad_accum - 1 or dd.world == 1
-            ctx = ddp.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
-                loss = token_losses(ddp, ids, labels) / count * dd.world  # DDP averages over ranks
-                loss.backward()
-            loss_total += loss.detach().cpu() / dd.world
-            tokens_since += ids.numel() * dd.world
-        loss_value = float(dd.all_sum(loss_total))
+        loss_value, tokens = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step))
+        tokens_since += tokens
         if not math.isfinite(loss_value):
             bar.close()
             kept = (run / "latest").read_text().strip() if (run / "latest").exists() else "none"
             raise ValueError(f"loss became non-finite ({loss_value}) at step {step}; stopped. Last good checkpoint "
                              f"kept: {kept} in {run}")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps or done % cfg.eval_every == 0:
             now = time.perf_counter()
-            row = {"step": done, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_since / (now - t_last)}
+            row = {"step": done, "loss": loss_value, "lr": cfg.lr_at(step),
+                   "tokens_per_s": tokens_since / (now - t_last)}
             t_last, tokens_since = now, 0
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 row.update(evaluate_validation(model, val_batches, dd.device))
@@ -337,41 +313,55 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
             last = row
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             if dd.main:
-                final = done == cfg.steps
                 _save(run, done, model, optimizer, exp, vocab)
-                if final:
-                    save_checkpoint(run / "final", model, {**exp.tree, "vocab": vocab.to_dict()},
-                                    dtype=getattr(torch, cfg.save_dtype))
+                if done == cfg.steps:
+                    _write_final(run, model, exp, vocab)
             dd.barrier()
     bar.close()
     return last
 
 
+def _write_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
+    save_checkpoint(run / "final", model, {**exp.tree, "vocab": vocab.to_dict()},
+                    dtype=getattr(torch, exp.train.save_dtype))
+
+
+def _ensure_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
+    """A run that reached its last step always ends with final/ (a kill between the last checkpoint
+    and final/, or while final/ was replaced, is repaired here on --resume)."""
+    recover(run / "final")
+    final = run / "final"
+    if not ((final / MODEL_FILE).is_file() and (final / CONFIG_FILE).is_file()):
+        _write_final(run, model, exp, vocab)
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics rows of steps <= `step`; a torn (half-written) line is dropped with a warning."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    rows = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            keep = row["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            log.warning("%s: line %d is torn or malformed; dropped", path, i + 1)
+            continue
+        if keep:
+            rows.append(line)
     write_atomic(path, "".join(r + "\n" for r in rows))
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:
     path = Path(run) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="pretrain a model from an experiment YAML")
-    p.add_argument("config", help="experiment YAML (sections model, data, train)")
-    p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
-                   help="override a config value (repeatable), e.g. --set train.steps=100")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--no-progress", action="store_true")
-
-    def run(args) -> None:
-        exp = Experiment.from_file(args.config, args.overrides)
-        train(exp, args.out, resume=args.resume, progress=not args.no_progress)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    p.set_defaults(func=run)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+    return rows

@@ -1,32 +1,41 @@
 """The compressor interface and its name registry (PAPER.md section 1).
 
 A compressor reads a layer's normalized hidden states in windows of `W` tokens that start every
-`S` tokens and writes ONE key (and one value) per window per KV head.  Window `j` covers positions
-`j*S .. j*S + W - 1`; it is usable by a query at position `t` only once it is complete
-(`j*S + W - 1 <= t`).  Layout in this package: hidden states are `(B, T, hidden)`, compressed
-entries are `(B, N, KVH, D)` with N the number of complete windows.
+`S` tokens from the layer's first window start `offset` (0 unless the layer is staggered) and writes
+ONE key (and one value) per window per KV head.  Window `j` covers positions
+`offset + j*S .. offset + j*S + W - 1`; it is usable by a query at position `t` only once it is
+complete.  Layout in this package: hidden states are `(B, T, hidden)`, compressed entries are
+`(B, N, KVH, D)` with N the number of complete windows.
 
-A new compressor is one file: subclass `Compressor`, implement `compress` (fast, all windows at
-once) and `compress_reference` (slow loops, the oracle in the tests), decorate with `@register`.
+The compressor owns everything the rest of phasekv needs to know about it: its geometry and window
+starts, its gate parameters (the optimizer's gate group, snapshots), its offset-indexed gate
+parameters (gate cycling), its payload parameters, and an optional selection step (a top-k indexer)
+that attention calls through `select`.  Nothing outside this package looks at parameter names.
+
+A new compressor is one file: an options dataclass (its hyperparameters, subclass of
+`phasekv.config.CompressorOptions`), a `Compressor` subclass implementing `compress` (fast, all
+windows at once), `compress_reference` (slow loops, the oracle in the tests) and the parameter
+accessors, decorated with `@register("name", Options)`; plus one import in `__init__.py`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from phasekv.config import ModelConfig
+from phasekv.config import CompressorOptions, ModelConfig, register_options
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
 
-def register(name: str):
+def register(name: str, options: type[CompressorOptions]):
+    """Class decorator: register a compressor and its options dataclass under `name`."""
     def wrap(cls: type[Compressor]) -> type[Compressor]:
-        cls.name = name
+        cls.name, cls.Options = name, options
         _REGISTRY[name] = cls
+        register_options(name, options)
         return cls
 
     return wrap
@@ -43,12 +52,9 @@ def get(name: str) -> type[Compressor]:
     return _REGISTRY[name]
 
 
-def build(config: ModelConfig, name: str) -> Compressor:
-    return get(name)(config)
-
-
-def stride_of(config: ModelConfig, name: str) -> int:
-    return get(name).geometry(config)[1]
+def build(config: ModelConfig, name: str, offset: int = 0) -> Compressor:
+    """The compressor `name` of a model, its first window starting at position `offset`."""
+    return get(name)(config.options(name), config, offset)
 
 
 def num_windows(length: int, window: int, stride: int) -> int:
@@ -63,26 +69,54 @@ def windows(x: torch.Tensor, window: int, stride: int) -> torch.Tensor:
     return x.unfold(1, window, stride).transpose(-1, -2)  # (B, N, W, C)
 
 
+@dataclass
+class Selection:
+    """A compressor's choice of entries per query: keep the top `k` visible entries by `scores`."""
+
+    scores: torch.Tensor  # (B, Tq, N)
+    k: int
+
+    def rows(self, a: int, b: int) -> Selection:
+        """The selection of queries a..b-1."""
+        return Selection(self.scores[:, a:b], self.k)
+
+
 class Compressor(nn.Module):
     """Maps hidden states to one compressed key and value per complete window.
 
-    Subclasses set `self.window`, `self.stride`, `self.num_kv_heads`, `self.head_dim` and
-    `self.tied` (True: the layer reuses the normalized, rotated keys as values and `compress`
-    returns `None` for them).
+    Subclasses call `super().__init__(options, config, offset)` and set `self.tied` (True: the
+    layer reuses the normalized, rotated keys as values and `compress` returns `None` for them).
     """
 
     name = "base"
-    window: int
-    stride: int
+    Options: type[CompressorOptions]
     tied: bool
 
-    @staticmethod
-    def geometry(config: ModelConfig) -> tuple[int, int]:
-        """(W, S) this compressor uses under `config`."""
-        raise NotImplementedError
+    def __init__(self, options: CompressorOptions, config: ModelConfig, offset: int = 0):
+        super().__init__()
+        self.window, self.stride = options.geometry()
+        if not 1 <= self.stride <= self.window:
+            raise ValueError(f"{options.section}: stride S={self.stride} must satisfy 1 <= S <= W={self.window}")
+        self.offset = offset
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
 
+    # ---------------------------------------------------------------- geometry
+    def window_starts(self, length: int) -> torch.Tensor:
+        """Positions of the first token of every complete window in a sequence of `length` tokens."""
+        n = num_windows(max(0, length - self.offset), self.window, self.stride)
+        return self.offset + torch.arange(n) * self.stride
+
+    def from_first_window(self, h: torch.Tensor) -> torch.Tensor:
+        """h (B, T, hidden) of positions 0..T-1 -> its part from the first window start on."""
+        return h[:, self.offset:]
+
+    def offset_phase(self, i: int) -> int:
+        """Phase (position mod S) of the token at offset i of every window."""
+        return (self.offset + i) % self.stride
+
+    # ---------------------------------------------------------------- the computation
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h (B, T, hidden), T a window start -> keys, values (B, N, KVH, D) for complete windows."""
+        """h (B, T, hidden), position 0 a window start -> keys, values (B, N, KVH, D) of complete windows."""
         raise NotImplementedError
 
     def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,5 +124,37 @@ class Compressor(nn.Module):
         raise NotImplementedError
 
     def gate_weights(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """alpha per branch ("k", "v"): (B, N, W, KVH, G) with G = 1 (scalar) or D (vector)."""
+        """alpha per branch ("k", "v"): (B, N, W, KVH, G) with G = 1 (scalar) or D (vector); h as in compress."""
         raise NotImplementedError
+
+    def select(self, x: torch.Tensor, entries: torch.Tensor) -> Selection | None:
+        """Optional selection step: x (B, Tq, hidden) queries' layer input, entries (B, N, KVH, D)
+        -> which entries each query may read (None: every visible entry)."""
+        return None
+
+    def training_problem(self) -> str | None:
+        """Why this compressor cannot be trained by the language-model loss alone (None: it can)."""
+        return None
+
+    # ---------------------------------------------------------------- parameter roles
+    def gate_parameters(self) -> dict[str, nn.Parameter]:
+        """The gate maps and biases (empty for gate-free compressors such as uniform averaging)."""
+        return {}
+
+    def offset_gate_parameters(self) -> dict[str, nn.Parameter]:
+        """Gate parameters with one slice per window offset on dim 0 (W slices): what gate cycling rolls."""
+        return {}
+
+    def payload_parameters(self) -> dict[str, nn.Parameter]:
+        """The payload maps C."""
+        return {}
+
+
+def compressors_of(model: nn.Module) -> list[tuple[str, Compressor]]:
+    """(module name, compressor) of every compressor inside `model`, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Compressor)]
+
+
+def compressor_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every compressor parameter of `model` by its full name (gate snapshots and trajectories)."""
+    return {f"{name}.{p_name}": p for name, c in compressors_of(model) for p_name, p in c.named_parameters()}

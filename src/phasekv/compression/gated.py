@@ -14,11 +14,13 @@ their first dimension so that gate cycling (probes) is a roll along dim 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from phasekv.compression.base import Compressor, num_windows, register, windows
-from phasekv.config import ModelConfig
+from phasekv.config import CompressorOptions, ModelConfig, spec
 from phasekv.layers import RMSNorm
 
 BRANCHES = ("k", "v")
@@ -27,13 +29,10 @@ BRANCHES = ("k", "v")
 class OffsetGatedCompressor(Compressor):
     """Softmax-gated sum of per-offset payloads over each window."""
 
-    def __init__(self, config: ModelConfig, window: int, stride: int, vector_gate: bool, tied: bool,
-                 post_norm: bool):
-        super().__init__()
-        if stride < 1 or stride > window:
-            raise ValueError(f"stride: S={stride} must satisfy 1 <= S <= W={window}")
-        self.window, self.stride, self.tied = window, stride, tied
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+    def __init__(self, options: CompressorOptions, config: ModelConfig, offset: int, vector_gate: bool,
+                 tied: bool, post_norm: bool):
+        super().__init__(options, config, offset)
+        self.tied = tied
         self.gate_dim = self.head_dim if vector_gate else 1
         self.branches = BRANCHES[:1] if tied else BRANCHES
         self.post_norms = nn.ModuleDict(
@@ -101,31 +100,52 @@ class OffsetGatedCompressor(Compressor):
         return self.post_norms[branch](entry) if branch in self.post_norms else entry
 
 
-@register("gated")
+@dataclass
+class GatedOptions(CompressorOptions):
+    """Options of the paper's gated kernel."""
+
+    window: int = spec(8, low=1, high=4096)  # W: tokens per compressed entry
+    stride: int = spec(8, low=1, high=4096)  # S: a new window starts every S tokens
+    gate: str = spec("scalar", choices=("scalar", "vector"))  # one gate per KV head, or per channel
+    tied_kv: bool = False  # values reuse the normalized, rotated compressed keys
+    gate_bias: bool = True
+    post_norm: bool = False  # RMSNorm on each compressed entry after the payload sum
+    uniform: bool = False  # alpha = 1/W, no gate parameters
+
+    def validate(self) -> None:
+        if self.stride > self.window:
+            raise ValueError(f"{self.section}.stride: stride S={self.stride} must be <= window W={self.window} "
+                             "(S > W would skip tokens)")
+
+    def geometry(self) -> tuple[int, int]:
+        return self.window, self.stride
+
+
+@register("gated", GatedOptions)
 class GatedCompressor(OffsetGatedCompressor):
-    """The paper's kernel: own Z_i, b_i, C_i per offset i, separate K and V branches by default.
+    """The paper's kernel: own Z_i, b_i, C_i per offset i, separate K and V branches by default."""
 
-    Config fields: window W, stride S (overlap when S < W), gate ("scalar" | "vector"), tied_kv,
-    gate_bias, post_norm, uniform (alpha = 1/W and no gate parameters).
-    """
-
-    def __init__(self, config: ModelConfig):
-        W, S = self.geometry(config)
-        super().__init__(config, W, S, config.gate == "vector", config.tied_kv, config.post_norm)
-        hidden, F = config.hidden_size, self.num_kv_heads * self.head_dim
+    def __init__(self, options: GatedOptions, config: ModelConfig, offset: int = 0):
+        super().__init__(options, config, offset, options.gate == "vector", options.tied_kv, options.post_norm)
+        W, hidden, F = self.window, config.hidden_size, self.num_kv_heads * self.head_dim
         G = self.num_kv_heads * self.gate_dim
         std = config.initializer_range
         for branch in self.branches:
             setattr(self, f"{branch}_payload", nn.Parameter(torch.randn(W, hidden, F) * std))
-            if not config.uniform:
+            if not options.uniform:
                 setattr(self, f"{branch}_gate", nn.Parameter(torch.randn(W, hidden, G) * std))
-                if config.gate_bias:
+                if options.gate_bias:
                     setattr(self, f"{branch}_gate_bias", nn.Parameter(torch.zeros(W, G)))
-
-    @staticmethod
-    def geometry(config: ModelConfig) -> tuple[int, int]:
-        return config.window, config.stride
 
     def maps(self, branch: str):
         return (getattr(self, f"{branch}_payload"), getattr(self, f"{branch}_gate", None),
                 getattr(self, f"{branch}_gate_bias", None))
+
+    def gate_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.named_parameters(recurse=False) if "_gate" in name}
+
+    def offset_gate_parameters(self) -> dict[str, nn.Parameter]:
+        return self.gate_parameters()  # every gate map and bias has one slice per offset
+
+    def payload_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.named_parameters(recurse=False) if name.endswith("_payload")}

@@ -4,7 +4,6 @@ evaluation prompt sets of the two padding protocols (PAPER.md section 3)."""
 from phasekv.data.lookup import (
     IGNORE,
     Batch,
-    DataConfig,
     Example,
     MarkovChain,
     TrainingStream,
@@ -15,6 +14,6 @@ from phasekv.data.protocols import PROTOCOLS, Context, EvalSet, Prompt, Query, b
 from phasekv.data.vocab import GROUPS, Vocabulary
 
 __all__ = [
-    "GROUPS", "IGNORE", "PROTOCOLS", "Batch", "Context", "DataConfig", "EvalSet", "Example", "MarkovChain",
+    "GROUPS", "IGNORE", "PROTOCOLS", "Batch", "Context", "EvalSet", "Example", "MarkovChain",
     "Prompt", "Query", "TrainingStream", "Vocabulary", "assemble", "build_eval_set", "outside_local_window",
 ]

@@ -53,80 +53,17 @@ rank with batch 2 B.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from phasekv.config import DataConfig
 from phasekv.data.vocab import Vocabulary
 
 IGNORE = -100
 _TRAIN, _VALIDATION, _CHAIN = 0, 1, 2  # RNG stream tags, so the streams never share draws
-
-
-@dataclass
-class DataConfig:
-    """Lengths, mixture and vocabulary of the training data (the `data` section of an experiment)."""
-
-    n_records: int = 32
-    n_queries: int = 32
-    key_tokens: int = 1
-    value_tokens: int = 1
-    prefix_max: int = 23  # prefix fillers ~ U{0..prefix_max}; prefix_max + 1 a multiple of R balances residues
-    outer_max: int = 23  # fillers between records and queries ~ U{0..outer_max} (the eval "outer" fillers)
-    gap_fillers: int = 0  # fillers scattered at random between records (train for in-sequence padding)
-    local_window: int = 16  # the model's raw window; queries are supervised only outside it
-    background_fraction: float = 0.25
-    background_successors: int = 4
-    chain_seed: int = 0  # fixes the background Markov chain (the "language"), not the sample stream
-    n_keys: int = 64
-    n_values: int = 64
-    n_fillers: int = 16
-    n_background: int = 64
-    curriculum_start: int = 0  # records per lookup example at the start of training (0: no curriculum)
-    curriculum_examples: int = 0  # training examples over which the count ramps linearly to n_records
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "background_fraction":
-                if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-                    raise ValueError(f"background_fraction: must be a number in [0, 1], got {value!r}")
-                continue
-            low = 0 if f.name in ("prefix_max", "outer_max", "gap_fillers", "chain_seed", "curriculum_start",
-                                  "curriculum_examples") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{f.name}: must be an integer >= {low}, got {value!r}")
-        if self.background_successors > self.n_background:
-            raise ValueError(f"background_successors: {self.background_successors} exceeds n_background="
-                             f"{self.n_background}")
-        if self.n_records > self.n_keys ** self.key_tokens:
-            raise ValueError(f"n_records: {self.n_records} distinct keys needed, only "
-                             f"{self.n_keys ** self.key_tokens} exist (n_keys ** key_tokens)")
-        if self.curriculum_start and not (2 <= self.curriculum_start <= self.n_records and self.curriculum_examples):
-            raise ValueError(f"curriculum_start: must be in [2, n_records={self.n_records}] with "
-                             f"curriculum_examples >= 1, got {self.curriculum_start}, {self.curriculum_examples}")
-        if self.gap_fillers and self.n_records < 2:
-            raise ValueError("gap_fillers: needs n_records >= 2 (fillers go between records)")
-        reach = (self.n_records - 1) * self.record_length + self.key_tokens
-        if reach < self.local_window:
-            raise ValueError(f"n_records: {self.n_records} records are too few: no query can lie outside the "
-                             f"local_window={self.local_window} of its record")
-
-    @property
-    def record_length(self) -> int:
-        return self.key_tokens + self.value_tokens
-
-    @property
-    def seq_len(self) -> int:
-        """Length of every training sequence (lookup and background alike)."""
-        return (1 + self.prefix_max + self.outer_max + self.gap_fillers
-                + (self.n_records + self.n_queries) * self.record_length)
-
-    def vocabulary(self) -> Vocabulary:
-        return Vocabulary.from_data_config(self)
 
 
 def outside_local_window(source_end: int, query_position: int, local_window: int) -> bool:

@@ -74,10 +74,10 @@ from typing import Any
 
 import numpy as np
 
+from phasekv.config import PROTOCOLS
 from phasekv.data.lookup import assemble, filler_tokens, outside_local_window, sample_records, scatter
 from phasekv.data.vocab import Vocabulary
 
-PROTOCOLS = ("prefix", "insequence")
 _TAG = {"prefix": 10, "insequence": 11}  # RNG stream tags (lookup.py uses 0..2)
 _DESIGN, _CLUSTER, _CONTEXT = 0, 1, 2
 
@@ -125,6 +125,11 @@ class EvalSet:
     @property
     def prompt_length(self) -> int:
         return len(self.contexts[0].ids) + len(self.contexts[0].queries[0].key)
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of guessing the answer (a value word) uniformly: 1 / number of value words."""
+        return 1.0 / len(self.vocab.group("values"))
 
     @property
     def query_position(self) -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from phasekv.cache import KVCache
+from phasekv.model import PhaseKVForCausalLM
 
 
 @dataclass
@@ -140,3 +141,10 @@ class HFAdapter(Adapter):
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"
         return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{name: past}).logits
+
+
+def adapter_for(model: nn.Module, name: str) -> Adapter:
+    """The adapter of a model of either family (`phasekv.families`)."""
+    if isinstance(model, PhaseKVForCausalLM):
+        return PhaseKVAdapter(model, name)
+    return HFAdapter(model, name)

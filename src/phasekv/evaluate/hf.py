@@ -15,7 +15,10 @@ from pathlib import Path
 import torch
 
 from phasekv.data.vocab import _BASE, _words
+from phasekv.distributed import resolve_device
 from phasekv.evaluate.adapter import HFAdapter
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,9 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise ValueError(f"--hf needs transformers ({exc})") from None
-    if not hasattr(torch, dtype):
-        raise ValueError(f"--dtype: unknown torch dtype {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
+    device = resolve_device(device)
     kwargs = {"dtype": getattr(torch, dtype)}
     if device_map:
         kwargs["device_map"] = device_map

@@ -64,6 +64,7 @@ What `summarize` computes, and why:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -382,3 +383,39 @@ def _position_matching(position: np.ndarray, residue: np.ndarray, R: int) -> dic
 
 def _divisors(R: int) -> list[int]:
     return [d for d in range(1, R + 1) if R % d == 0]
+
+
+def accuracies(records: list[dict[str, Any]], stride: int, residue_modulus: int) -> dict[str, Any]:
+    """Overall, per-phase and per-residue accuracy (fractions; None for an empty group)."""
+    def grouped(key: str, size: int) -> list[float | None]:
+        k, n = np.zeros(size), np.zeros(size)
+        for r in records:
+            k[r[key]] += r["correct"]
+            n[r[key]] += 1
+        return [float(a / b) if b else None for a, b in zip(k, n)]
+
+    return {"accuracy": float(np.mean([r["correct"] for r in records])),
+            "per_phase": grouped("phase", stride), "per_residue": grouped("residue", residue_modulus)}
+
+
+CHANCE_FACTOR = 2.0  # "clearly above chance": the lower end of the mean's 95% interval exceeds 2 x chance
+
+
+def task_verdict(metrics: dict, chance: float) -> dict:
+    """`chance`, `can_do_task` and a one-line `verdict` for a summary of `summarize`.
+
+    A model that cannot do the task says nothing about phase: its verdict names the accuracy and the
+    chance level and makes no flatness or period claim."""
+    mean, low = metrics["mean_accuracy"], metrics["mean_ci"][0]
+    able = low > CHANCE_FACTOR * chance
+    if not able:
+        verdict = (f"cannot do the task (accuracy {100 * mean:.1f}%, chance {100 * chance:.1f}%): "
+                   "no phase verdict")
+    elif metrics["flatness_p"] < 0.05:
+        verdict = (f"phase sensitive: period {metrics['detected_period']}, gap {metrics['max_gap_pp']:.1f} pp "
+                   f"(flatness p = {metrics['flatness_p']:.3g}; accuracy {100 * mean:.1f}%, chance "
+                   f"{100 * chance:.1f}%)")
+    else:
+        verdict = (f"no phase effect detected: gap {metrics['max_gap_pp']:.1f} pp, flatness p = "
+                   f"{metrics['flatness_p']:.3g} (accuracy {100 * mean:.1f}%, chance {100 * chance:.1f}%)")
+    return {"chance": round(float(chance), 10), "can_do_task": bool(able), "verdict": verdict}

@@ -10,6 +10,7 @@ accuracy_by_residue.png.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -19,10 +20,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from phasekv import distributed
+from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import summarize
+from phasekv.evaluate.metrics import summarize, task_verdict
+from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.evaluation import plot_accuracy_by_residue
+from phasekv.outputs import output_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,15 @@ log = logging.getLogger(__name__)
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def _top1(logits: torch.Tensor) -> list[int]:
+    """Argmax of the final position's logits (B, t, V); a non-finite logit stops the evaluation."""
+    last = logits[:, -1]
+    if not torch.isfinite(last).all():
+        raise ValueError("model produced non-finite logits (NaN or inf): its weights or config are broken "
+                         "(e.g. NaN weights, rope_theta or rms_norm_eps); refusing to report accuracies")
+    return last.argmax(-1).tolist()
 
 
 def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_query: bool = True,
@@ -51,7 +65,7 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
                 ids = torch.tensor([contexts[i].ids for i in chunk])
                 cache = adapter.prefill(ids)
                 qids = torch.tensor([list(q.key) for i in chunk for q in contexts[i].queries])
-                top = adapter.continue_from(cache, qids, n_q)[:, -1].argmax(-1).tolist()
+                top = _top1(adapter.continue_from(cache, qids, n_q))
                 for j, i in enumerate(chunk):
                     by_context[i] = top[j * n_q:(j + 1) * n_q]
                 bar.update(len(qids))
@@ -62,7 +76,7 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
         for chunk in tqdm(list(_batches(prompts, batch_size)), desc=desc, unit="batch", disable=not progress,
                           leave=False):
             ids = torch.tensor([p.ids for p in chunk])
-            preds.extend(adapter.logits(ids)[:, -1].argmax(-1).tolist())
+            preds.extend(_top1(adapter.logits(ids)))
     records = []
     for q, pred in zip(eval_set.queries(), preds, strict=True):
         records.append({"target_position": q.target_position, "residue": q.residue, "phase": q.phase,
@@ -84,6 +98,7 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
     """metrics.json (statistics + position matching + settings), predictions.jsonl and the figure."""
     metrics = summarize(records, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
                         n_boot=n_boot, seed=seed)
+    metrics.update(task_verdict(metrics, eval_set.chance))
     metrics.update({
         "protocol": eval_set.protocol,
         "model": adapter.info.name,
@@ -105,3 +120,41 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
                                  title=f"{adapter.info.name}: {eval_set.protocol} padding")
         log.info("wrote %s", out)
     return metrics
+
+
+def run_eval(source: Source, cfg: EvalConfig, out: str | Path, force: bool = False,
+             progress: bool = True) -> dict[str, Any]:
+    """`phasekv eval`: evaluate `source` as `cfg` says and publish OUT atomically (metrics.json,
+    predictions.jsonl, the figure).  Under torchrun the contexts are sharded over ranks and rank 0
+    writes the union, in the original order."""
+    dd = distributed.setup(cfg.device)
+    try:
+        if dd.main:
+            from phasekv.outputs import check_output_dir
+
+            check_output_dir(Path(out), force)  # before any compute
+        adapter, eval_set = open_source(source, dataclasses.replace(cfg, device=str(dd.device)))
+        shard = dataclasses.replace(eval_set, contexts=eval_set.contexts[dd.rank::dd.world])
+        records = predict(adapter, shard, batch_size(source, cfg), not cfg.one_by_one,
+                          progress=progress and dd.main)
+        gathered = dd.gather_objects(records)
+        metrics: dict[str, Any] = {}
+        if dd.main:
+            ordered = _in_context_order(eval_set, gathered)
+            with output_dir(out, force) as tmp:
+                metrics = write_run(adapter, eval_set, ordered, tmp, cfg.seed)
+        dd.barrier()
+        return metrics
+    finally:
+        dd.shutdown()
+
+
+def _in_context_order(eval_set: EvalSet, gathered: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rank r predicted contexts r, r + world, ...: restore the original query order."""
+    world = len(gathered)
+    ordered, cursors = [], [0] * world
+    for i, context in enumerate(eval_set.contexts):
+        r, n_q = i % world, len(context.queries)
+        ordered.extend(gathered[r][cursors[r]:cursors[r] + n_q])
+        cursors[r] += n_q
+    return ordered

@@ -54,6 +54,7 @@ from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.sources import Source, open_checkpoint
 from phasekv.figures.evaluation import plot_sweep
 
 log = logging.getLogger(__name__)
@@ -193,40 +194,21 @@ def _class_means(x: np.ndarray, period: int) -> np.ndarray:
     return np.bincount(classes, weights=x, minlength=period) / np.bincount(classes, minlength=period)
 
 
-# ----------------------------------------------------------------------------- command line
+# ----------------------------------------------------------------------------- from a model source
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("sweep", help="shift sweep: P(a) - P(b) as a filler grows one token at a time, and its period")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory (texts are words of its vocabulary)")
-    src.add_argument("--hf", help="transformers causal LM: local directory or hub name (texts use its tokenizer)")
-    p.add_argument("--text", required=True, help="fixed text after the filler, e.g. 'T.Cast(FP'")
-    p.add_argument("--a", required=True, help="first candidate continuation")
-    p.add_argument("--b", required=True, help="second candidate continuation")
-    p.add_argument("--filler", help="one filler token (checkpoint: a word of its fillers group, default the first; "
-                                    "HF: a string that is exactly one token, default ' the')")
-    p.add_argument("--max-filler", type=int, default=64, help="filler lengths 0..N are swept (N + 1 rankings)")
-    p.add_argument("--max-period", type=int, default=16, help="largest period considered")
-    p.add_argument("--prefix", help="text before the filler, instead of the default bos token (HF without bos: eos)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", help="HF models: torch dtype, e.g. bfloat16")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=sweep_command)
-
-
-def sweep_command(args) -> dict[str, Any]:
-    if args.max_filler < 1 or args.max_period < 1:
-        raise ValueError(f"--max-filler and --max-period: must be >= 1, got {args.max_filler}, {args.max_period}")
-    if args.checkpoint:
-        from phasekv.evaluate.cli import open_checkpoint
-
-        adapter, defaults = open_checkpoint(args.checkpoint, args.device)
+def sweep_source(source: Source, text: str, a: str, b: str, out: str | Path, filler: str | None = None,
+                 prefix: str | None = None, max_filler: int = 64, max_period: int = 16, device: str = "auto",
+                 dtype: str = "float32", progress: bool = True) -> dict[str, Any]:
+    """`phasekv sweep` on a checkpoint (texts are words of its vocabulary) or an HF model (its tokenizer)."""
+    if max_filler < 1 or max_period < 1:
+        raise ValueError(f"--max-filler and --max-period: must be >= 1, got {max_filler}, {max_period}")
+    if source.checkpoint:
+        adapter, defaults = open_checkpoint(source.checkpoint, device)
         vocab = defaults["vocab"]
         encode, decode = vocab.encode, vocab.decode
         fillers = vocab.group("fillers")
-        filler = args.filler if args.filler is not None else vocab.decode(fillers[:1])
+        filler = filler if filler is not None else vocab.decode(fillers[:1])
         filler_ids = _encode(encode, "--filler", filler)
         if len(filler_ids) != 1 or filler_ids[0] not in fillers:
             raise ValueError(f"--filler: {filler!r} is not one word of the checkpoint's fillers group "
@@ -235,27 +217,27 @@ def sweep_command(args) -> dict[str, Any]:
     else:
         from phasekv.evaluate.hf import load_hf
 
-        adapter, tokenizer = load_hf(args.hf, args.device, args.dtype)
+        adapter, tokenizer = load_hf(source.hf, device, dtype)
 
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False)
 
         decode = tokenizer.decode
-        filler = args.filler if args.filler is not None else " the"
+        filler = filler if filler is not None else " the"
         filler_ids = encode(filler)
         if len(filler_ids) != 1:
             pieces = [tokenizer.decode([i]) for i in filler_ids]
             raise ValueError(f"--filler: {filler!r} is {len(filler_ids)} tokens of the tokenizer {pieces}; "
                              f"it must be exactly one token (try a common word with a leading space, e.g. ' the')")
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if bos is None and args.prefix is None:
+        if bos is None and prefix is None:
             raise ValueError("--prefix: the tokenizer has neither a bos nor an eos token; give the prompt start")
         default_prefix = [bos]
-    prefix_ids = _encode(encode, "--prefix", args.prefix) if args.prefix is not None else default_prefix
+    prefix_ids = _encode(encode, "--prefix", prefix) if prefix is not None else default_prefix
     text_ids, a_ids, b_ids = (_encode(encode, flag, value) for flag, value in
-                              (("--text", args.text), ("--a", args.a), ("--b", args.b)))
-    return run_sweep(adapter, decode, prefix_ids, filler_ids[0], text_ids, a_ids, b_ids, args.max_filler,
-                     args.out, not args.no_progress, args.max_period)
+                              (("--text", text), ("--a", a), ("--b", b)))
+    return run_sweep(adapter, decode, prefix_ids, filler_ids[0], text_ids, a_ids, b_ids, max_filler,
+                     out, progress, max_period)
 
 
 def _encode(encode: Callable[[str], list[int]], flag: str, text: str) -> list[int]:

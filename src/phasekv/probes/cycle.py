@@ -1,17 +1,19 @@
 """Gate cycling (PAPER.md section 4): move each gate's preferred offsets by delta and re-evaluate.
 
-For W = S compressors, window j covers positions jS .. jS + S - 1, so offset i IS the phase of its
+For W = S compressors, window j covers positions o + jS .. o + jS + S - 1 (o: the layer's first
+window start), so offset i IS phase (o + i) mod S of its
 token.  Cycling the offset-specific gate parameters by delta,
     Z~_i = Z_((i - delta) mod W),   b~_i = b_((i - delta) mod W)       (torch.roll(x, delta, 0)),
 with the payload maps C_i fixed, makes the gate favour offset i + delta where it favoured i.  If the
 phase profile of accuracy is set by the gates alone, it moves with them:
     A_delta(r) ~ A_0((r - delta) mod S).
-The boundary phase S - 1 is excluded from the headline R^2: its weakness comes from the window
-boundary (the successor sits in the next entry), which cycling does not move.
+The boundary phase of each layer (the phase of its windows' last offset: S - 1 for windows that
+start at 0, earlier for staggered layers) is excluded from the headline R^2: its weakness comes from
+the window boundary (the successor sits in the next entry), which cycling does not move.
 
-Offset-specific gate parameters are the compressor parameters named `*_gate` and `*_gate_bias`
-whose first dimension is W (one slice per offset); a map shared by all offsets (first dimension 1,
-DeepSeek HCA) is the same after any roll and is left alone.  Payload maps are never touched.
+Offset-specific gate parameters are those each compressor declares (`offset_gate_parameters`: one
+slice per offset on dim 0); maps shared by several offsets are left alone, payload maps are never
+touched.
 `cycled_gates` restores the saved parameters bit for bit on exit, exception or not.
 """
 
@@ -28,12 +30,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.metrics import accuracies
 from phasekv.evaluate.runner import predict
+from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import plot_cycling
 from phasekv.probes.hooks import compressed_layers
-from phasekv.probes.knockout import accuracies
 from phasekv.probes.output import write_result
 
 log = logging.getLogger(__name__)
@@ -60,9 +64,7 @@ def offset_gate_parameters(model: nn.Module | Adapter) -> list[tuple[str, nn.Par
     params = []
     for i, attn in compressed_layers(model):
         c = attn.compressor
-        for name, p in c.named_parameters():
-            if not name.endswith(("_gate", "_gate_bias")) or p.shape[0] == 1:
-                continue
+        for name, p in c.offset_gate_parameters().items():
             if p.shape[0] != c.window:
                 raise ValueError(f"gate cycling: layer {i} {name} has {p.shape[0]} slices on dim 0, not W={c.window}")
             params.append((f"layer {i} {name}", p))
@@ -89,6 +91,11 @@ def cycled_gates(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
                 p.copy_(original)
 
 
+def boundary_phases(model: nn.Module | Adapter) -> list[int]:
+    """Phases of the last offset of every compressed layer's windows (S - 1 unless staggered)."""
+    return sorted({attn.compressor.offset_phase(attn.compressor.window - 1) for _, attn in compressed_layers(model)})
+
+
 def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
     """1 - SS_res / SS_tot about the observed mean; None when the observed values are all equal."""
     total = float(((observed - observed.mean()) ** 2).sum())
@@ -100,7 +107,8 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
                 multi_query: bool = True) -> dict[str, Any]:
     """Evaluate the model with its gates cycled by each delta and compare to A_0((r - delta) mod S).
 
-    Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases
+    Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases other
+    than the layers' boundary phases
     0..S-2), r2_all, mae (mean absolute error over all phases, as a fraction).  With `out_dir`,
     writes cycling.json and cycling.png.
     """
@@ -112,6 +120,8 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     R = eval_set.residue_modulus
     clean_records = predict(adapter, eval_set, batch_size, multi_query, progress, desc="clean")
     clean = accuracies(clean_records, S, R)
+    boundary = boundary_phases(adapter)
+    inner = np.array([r for r in range(S) if r not in boundary], dtype=int)
     a0 = np.array(clean["per_phase"], dtype=float)
     rows = []
     for delta in tqdm(deltas, desc="cycling", unit="delta", disable=not progress):
@@ -120,13 +130,21 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
         observed = np.array(accuracies(records, S, R)["per_phase"], dtype=float)
         predicted = a0[(np.arange(S) - delta) % S]
         row = {"delta": delta, "observed": observed.tolist(), "predicted": predicted.tolist(),
-               "r2_excl_boundary": r_squared(observed[:-1], predicted[:-1]), "r2_all": r_squared(observed, predicted),
+               "r2_excl_boundary": r_squared(observed[inner], predicted[inner]),
+               "r2_all": r_squared(observed, predicted),
                "mae": float(np.abs(observed - predicted).mean())}
         if delta == 0:
             row["matches_clean"] = [r["prediction"] for r in records] == [r["prediction"] for r in clean_records]
         rows.append(row)
-    result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phase": S - 1,
+    result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phases": boundary,
               "n_prompts": len(clean_records), "clean": clean, "deltas": rows, "figure": None}
     if out_dir is not None:
         write_result(out_dir, "cycling", result, plot_cycling)
     return result
+
+
+def cycling_on(source: Source, cfg: EvalConfig, out_dir: str | Path, deltas: Iterable[int] = range(-3, 4),
+               progress: bool = True) -> dict[str, Any]:
+    """`phasekv cycle`: gate cycling of a checkpoint on the prompt set `cfg` describes."""
+    adapter, eval_set = open_source(source, cfg)
+    return run_cycling(adapter, eval_set, deltas, out_dir, batch_size(source, cfg), progress, not cfg.one_by_one)

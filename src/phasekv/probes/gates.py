@@ -3,7 +3,7 @@
 For every compressed layer, KV head and branch (K, V; one "k" branch when K = V are tied, as in the
 DeepSeek kernels) the prompts' hidden states are captured at the attention input, the compressor's
 gate weights alpha (B, N windows, W, KVH, G) are recomputed from them, and all complete windows
-(starting at position 0, every S tokens) are pooled:
+(from the layer's first window start, every S tokens: staggered layers are read on their own windows) are pooled:
     static     = exp(H(E[alpha]))      per-window = E[exp(H(alpha))]      profile = E[alpha] per offset
 Vector gates (G = head_dim channels) give one distribution per channel: both numbers are computed per
 channel and then averaged over channels, and the profile is averaged over channels.  Uniform
@@ -22,13 +22,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from phasekv.checkpoint import load_checkpoint, load_tensors
-from phasekv.config import ModelConfig
+from phasekv.compression import compressor_parameters
+from phasekv.config import EvalConfig, ModelConfig
 from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import (
     VECTOR_NOTE,
     plot_concentration_plane,
@@ -55,10 +58,11 @@ def _batches(prompt_ids: torch.Tensor | list[torch.Tensor], batch_size: int) -> 
     return out
 
 
-def _gate_kind(compressor: nn.Module, branch: str) -> str:
-    if compressor.maps(branch)[1] is None:
+def _gate_kind(compressor: nn.Module, alpha: torch.Tensor) -> str:
+    """alpha (B, N, W, KVH, G): uniform (no gate parameters), vector (G > 1) or scalar gates."""
+    if not compressor.gate_parameters():
         return "uniform"
-    return "vector" if compressor.gate_dim > 1 else "scalar"
+    return "vector" if alpha.shape[-1] > 1 else "scalar"
 
 
 @torch.no_grad()
@@ -71,6 +75,7 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
         raise ValueError("gates: the model has no compressed layer (gate statistics need a KV compressor)")
     device = next(model.parameters()).device
     stats: dict[tuple[int, int, str], Accumulator] = {}
+    kinds: dict[tuple[int, str], str] = {}
     was_training = model.training
     model.eval()
     try:
@@ -79,7 +84,10 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
             with attention_inputs(model) as inputs:
                 model(ids.to(device))
             for i, attn in layers:
-                for branch, alpha in attn.compressor.gate_weights(inputs[i][0]).items():  # (B, N, W, KVH, G)
+                c = attn.compressor
+                # the layer's real windows: from its first window start (staggered layers start later)
+                for branch, alpha in c.gate_weights(c.from_first_window(inputs[i][0])).items():  # (B, N, W, KVH, G)
+                    kinds[(i, branch)] = _gate_kind(c, alpha)
                     for h in range(alpha.shape[3]):
                         windows = alpha[:, :, :, h].flatten(0, 1)  # (B*N, W, G)
                         stats.setdefault((i, h, branch), Accumulator()).add(windows)
@@ -92,8 +100,9 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
         if not acc.n:
             raise ValueError(f"gates: the prompts hold no complete window of layer {i} (W={c.window} tokens)")
         static, per_window = acc.concentration()
-        gates.append({"layer": i, "kv_head": h, "branch": branch, "kind": _gate_kind(c, branch),
+        gates.append({"layer": i, "kv_head": h, "branch": branch, "kind": kinds[(i, branch)],
                       "window": c.window, "stride": c.stride, "tied": bool(c.tied), "n_windows": acc.n,
+                      "first_window_start": c.offset, "offset_phases": [c.offset_phase(j) for j in range(c.window)],
                       "static": static, "per_window": per_window, "profile": acc.profile()})
     return gates
 
@@ -141,7 +150,7 @@ def gate_trajectory(run_dir: str | Path, prompt_ids: torch.Tensor | list[torch.T
     model, final_config = load_checkpoint(run)
     if final_config != config:
         raise ValueError(f"gate trajectory: {run}/config.json and its final checkpoint describe different models")
-    names = {n for n, _ in model.named_parameters() if ".compressor." in n}
+    names = set(compressor_parameters(model))
     steps, per_step = [], []
     for path in tqdm(snapshots, desc="gate snapshots", unit="step", disable=not progress):
         tensors = load_tensors(path)
@@ -158,3 +167,18 @@ def gate_trajectory(run_dir: str | Path, prompt_ids: torch.Tensor | list[torch.T
         g["per_window"] = [stats[j]["per_window"] for stats in per_step]
     result: dict[str, Any] = {"run": str(run), "steps": steps, "gates": gates}
     return write_result(out_dir, "gate_trajectory", result, plot_gate_trajectory)
+
+
+def gates_on(source: Source, cfg: EvalConfig, out_dir: str | Path, n_prompts: int = 64, top: int = 4,
+             trajectory: bool = False, progress: bool = True) -> dict[str, Any]:
+    """`phasekv gates`: gate statistics of a checkpoint on `n_prompts` lookup prompts spread over the
+    eval set's clusters and shifts (and, with `trajectory`, over the run's gate snapshots)."""
+    adapter, eval_set = open_source(source, cfg)
+    prompts = eval_set.prompts()
+    keep = np.linspace(0, len(prompts) - 1, min(n_prompts, len(prompts))).round().astype(int)
+    ids = torch.tensor([prompts[i].ids for i in keep])  # (B, T)
+    bs = batch_size(source, cfg)
+    result = gate_report(adapter, ids, out_dir, top, bs, progress)
+    if trajectory:
+        result["trajectory"] = gate_trajectory(source.checkpoint, ids, out_dir, bs, progress)
+    return result

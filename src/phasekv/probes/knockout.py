@@ -29,9 +29,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet, build_eval_set
 from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.metrics import accuracies
 from phasekv.evaluate.runner import predict
+from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import plot_knockout_map
 from phasekv.probes.hooks import QueryOnly, capture_final_head_outputs, mean_knockout
 from phasekv.probes.output import write_result
@@ -89,19 +92,6 @@ def calibration_means(adapter: Adapter, calib_set: EvalSet, batch_size: int = 32
     return means
 
 
-def accuracies(records: list[dict[str, Any]], stride: int, residue_modulus: int) -> dict[str, Any]:
-    """Overall, per-phase and per-residue accuracy (fractions; None for an empty group)."""
-    def grouped(key: str, size: int) -> list[float | None]:
-        k, n = np.zeros(size), np.zeros(size)
-        for r in records:
-            k[r[key]] += r["correct"]
-            n[r[key]] += 1
-        return [float(a / b) if b else None for a, b in zip(k, n)]
-
-    return {"accuracy": float(np.mean([r["correct"] for r in records])),
-            "per_phase": grouped("phase", stride), "per_residue": grouped("residue", residue_modulus)}
-
-
 def relative_change(knockout: list[float | None], clean: list[float | None]) -> list[float | None]:
     """100 * (knockout - clean) / clean per group; None where clean is 0 or missing."""
     return [100 * (k - c) / c if k is not None and c else None for k, c in zip(knockout, clean, strict=True)]
@@ -140,3 +130,12 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
     if out_dir is not None:
         write_result(out_dir, "knockout", result, plot_knockout_map, key="heatmap")
     return result
+
+
+def run_knockout_on(source: Source, cfg: EvalConfig, out_dir: str | Path, whole_layer: bool = False,
+                    calib_prompts: int = 256, calib_seed: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """`phasekv knockout`: knockouts of a checkpoint or HF model on the prompt set `cfg` describes."""
+    adapter, eval_set = open_source(source, cfg)
+    calib = calibration_set(eval_set, calib_prompts, calib_seed)
+    return run_knockout(adapter, eval_set, calib, out_dir, whole_layer, batch_size(source, cfg), progress,
+                        not cfg.one_by_one)

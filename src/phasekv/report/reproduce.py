@@ -29,16 +29,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from phasekv.checkpoint import read_experiment, resolve
-from phasekv.data.protocols import PROTOCOLS
-from phasekv.evaluate.cli import make_eval_set, open_checkpoint
+from phasekv.checkpoint import resolve
+from phasekv.compression import compressors_of
+from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
-from phasekv.probes.cycle import run_cycling
+from phasekv.evaluate.sources import make_eval_set, open_checkpoint
+from phasekv.outputs import output_dir
+from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
 from phasekv.report.html import write_report
 from phasekv.theory import run_theory
-from phasekv.train import Experiment, read_metrics, train
+from phasekv.train import read_metrics, train
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +85,31 @@ def bundle(run: Path, dest: Path) -> Path:
     return dest
 
 
-def _model_facts(path: Path) -> dict[str, Any]:
-    tree = read_experiment(path)
-    m = tree["model"]
+def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Geometry read from the model's own compressors (any family) and the run's last validation."""
+    compressors = [c for _, c in compressors_of(model)]
+    first = compressors[0] if compressors else None
+    info = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rows = read_metrics(path)
     vals = [r for r in rows if "val_loss" in r]
-    compressed = m["compressor"] != "none"
     return {
-        "compressor": m["compressor"], "window": m["window"] if compressed else None,
-        "stride": m["stride"] if m["compressor"] == "gated" else None, "uniform": bool(m.get("uniform")),
-        "kv_heads": m["num_key_value_heads"], "layers": m["num_hidden_layers"], "hidden": m["hidden_size"],
+        "compressor": first.name if first else "none", "window": first.window if first else None,
+        "stride": first.stride if first else None,
+        "uniform": bool(compressors) and not any(c.gate_parameters() for c in compressors),
+        "kv_heads": info.num_key_value_heads, "layers": info.num_hidden_layers, "hidden": info.hidden_size,
         "val_loss": vals[-1]["val_loss"] if vals else None,
         "val_lookup_acc": vals[-1]["val_lookup_acc"] if vals else None,
         "train_steps": rows[-1]["step"] if rows else None,
     }
+
+
+def can_cycle(model: torch.nn.Module) -> bool:
+    """Gate cycling is defined: compressed layers with W = S and offset-specific gate parameters."""
+    try:
+        cycle_stride(model)
+        return bool(offset_gate_parameters(model))
+    except ValueError:
+        return False
 
 
 def _settings(defaults: dict[str, Any], seed: int, n_clusters: int | None) -> dict[str, Any]:
@@ -129,7 +142,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     adapter, defaults = open_checkpoint(path)
     adapter.info.name = name
     vocab = defaults.pop("vocab")
-    facts = _model_facts(path)
+    facts = _model_facts(path, adapter.module)
     result: dict[str, Any] = {"path": str(path), **facts, "phase_stride": adapter.info.stride, "seconds": {}}
     clock = time.perf_counter()
 
@@ -166,7 +179,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             traj = gate_trajectory(path, prompts[:16], out / "gates", progress=False)
             result["gate_trajectory"] = _numbers_only(traj)
             lap("gate_trajectory")
-        if facts["window"] == facts["stride"] and facts["compressor"] == "gated" and not facts["uniform"]:
+        if can_cycle(adapter.module):
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
             cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=256,
@@ -221,27 +234,28 @@ def check_finite(tree: Any, where: str = "summary") -> None:
         raise ValueError(f"{where} is not finite ({tree})")
 
 
-def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: list[str] | None = None,
-              retrain: bool = False, configs: str | Path = "configs/cpu", bundle_to: str | Path | None = None,
-              quick: bool = False, seed: int = 0, progress: bool = True, jobs: int = 2) -> dict[str, Any]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    train_times: dict[str, float] = {}
-    if retrain:
-        models_dirs = {}
-        for name in names or BUNDLED:
-            run = out / "train" / name
-            t0 = time.perf_counter()
-            train(Experiment.from_file(Path(configs) / f"{name}.yaml"), run, resume=(run / "latest").exists(),
-                  progress=progress)
-            train_times[name] = round(time.perf_counter() - t0, 1)
-            models_dirs[name] = bundle(run, Path(bundle_to) / name) if bundle_to else run
-    else:
-        models_dirs = discover(Path(checkpoints), names)
-    steps = 3 * len(models_dirs) + 1
-    bar = tqdm(total=steps, desc="reproduce", unit="stage", disable=not progress, dynamic_ncols=True)
-    models = {}
+def retrain(out: Path, names: list[str], configs: Path, bundle_to: Path | None, progress: bool
+            ) -> tuple[dict[str, Path], dict[str, float]]:
+    """Train every model from its preset into OUT-train/NAME (resumed when a run exists there), and
+    bundle compact copies into `bundle_to`; (model directories, training seconds)."""
+    runs = out.with_name(out.name + "-train")
+    dirs, seconds = {}, {}
+    for name in names:
+        run = runs / name
+        t0 = time.perf_counter()
+        train(Experiment.from_file(configs / f"{name}.yaml"), run, resume=(run / "latest").exists(),
+              progress=progress)
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        dirs[name] = bundle(run, bundle_to / name) if bundle_to else run
+    return dirs, seconds
+
+
+def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int, progress: bool, jobs: int
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every model's analyses and the theory model, in parallel single-thread processes when jobs > 1."""
+    bar = tqdm(total=3 * len(models_dirs) + 1, desc="reproduce", unit="stage", disable=not progress,
+               dynamic_ncols=True)
+    models: dict[str, Any] = {}
     tasks = {name: (name, path, out / "models" / name, quick, seed) for name, path in models_dirs.items()}
     theory = None
     if jobs > 1 and len(tasks) > 1:
@@ -268,37 +282,34 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         theory = run_theory(out / "theory", seed=seed, quick=quick)
         bar.update()
     bar.close()
-    summary = {
-        "models": models,
-        "theory": theory,
-        "findings": findings(models),
-        "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain,
-                     "train_seconds": train_times},
-        "elapsed_s": round(time.perf_counter() - started, 1),
-    }
-    check_finite(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    write_report(summary, out)
+    return models, theory
+
+
+def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: list[str] | None = None,
+              retrain_models: bool = False, configs: str | Path = "configs/cpu", bundle_to: str | Path | None = None,
+              quick: bool = False, seed: int = 0, progress: bool = True, jobs: int = 2, force: bool = False
+              ) -> dict[str, Any]:
+    """Analyse the bundled (or retrained) models and the theory model; publish OUT (summary.json,
+    report.html, every analysis's files) atomically when everything is done."""
+    out = Path(out)
+    started = time.perf_counter()
+    with output_dir(out, force) as tmp:
+        train_times: dict[str, float] = {}
+        if retrain_models:
+            models_dirs, train_times = retrain(out, names or BUNDLED, Path(configs),
+                                               Path(bundle_to) if bundle_to else None, progress)
+        else:
+            models_dirs = discover(Path(checkpoints), names)
+        models, theory = analyse_all(models_dirs, tmp, quick, seed, progress, jobs)
+        summary = {
+            "models": models,
+            "theory": theory,
+            "findings": findings(models),
+            "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain_models,
+                         "train_seconds": train_times},
+            "elapsed_s": round(time.perf_counter() - started, 1),
+        }
+        check_finite(summary)
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_report(summary, tmp)
     return summary
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("reproduce", help="run every analysis on the bundled checkpoints and write report.html")
-    p.add_argument("--out", required=True, help="output directory (summary.json, report.html, figures)")
-    p.add_argument("--checkpoints", default="checkpoints", help="directory of bundled checkpoints")
-    p.add_argument("--models", nargs="+", help="only these models (directory names)")
-    p.add_argument("--train", action="store_true", help="first retrain every model from configs/cpu presets")
-    p.add_argument("--configs", default="configs/cpu", help="preset directory used by --train")
-    p.add_argument("--bundle", help="with --train: store compact copies of the trained models here")
-    p.add_argument("--quick", action="store_true", help="smaller prompt sets (for tests; intervals get wider)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=2, help="models analysed in parallel processes (1 thread each)")
-    p.add_argument("--no-progress", action="store_true")
-
-    def run(args) -> None:
-        summary = reproduce(args.out, args.checkpoints, args.models, args.train, args.configs, args.bundle,
-                            args.quick, args.seed, not args.no_progress, args.jobs)
-        held = sum(f["holds"] for f in summary["findings"])
-        print(f"{held}/{len(summary['findings'])} findings reproduced; report: {Path(args.out) / 'report.html'}")
-
-    p.set_defaults(func=run)

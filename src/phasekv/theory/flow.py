@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from phasekv.config import FlowConfig, TheoryConfig
 from phasekv.theory.model import (
     DTYPE,
     Assignment,
-    TheoryConfig,
     embed,
     fixed_assignment,
     query_losses,
@@ -37,26 +37,6 @@ from phasekv.theory.model import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FlowConfig:
-    """Gradient-descent settings for the log-linear gates."""
-
-    runs: int = 16  # independent seeds trained together
-    steps: int = 1500
-    lr: float = 2.0
-    rho: float = 0.01  # norm of each run's initial parameter tensor
-    batch: int = 32  # fresh contexts per run per step
-    record_every: int = 25
-    eval_contexts: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("runs", "steps", "batch", "record_every", "eval_contexts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.rho <= 0:
-            raise ValueError(f"lr, rho: must be > 0, got {self.lr}, {self.rho}")
 
 
 def gate_probabilities(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

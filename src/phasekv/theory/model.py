@@ -37,43 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from phasekv.config import TheoryConfig
+
 Assignment = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 DTYPE = torch.float64
-
-
-@dataclass
-class TheoryConfig:
-    """Sizes and scales of the idealized model (names follow PAPER.md section 5)."""
-
-    chunks: int = 4  # L
-    stride: int = 4  # S: tokens per chunk
-    vocab: int = 32  # N: embeddings in the vocabulary
-    heads: int = 2  # m < S
-    kappa: float = 1.0  # common component of every inner product
-    eps: float = 0.0  # largest deviation of the Gram matrix from kappa + identity
-    gamma: float = 6.0  # attention scale
-    beta: float = 8.0  # unembedding scale
-
-    def __post_init__(self) -> None:
-        if self.stride < 2:
-            raise ValueError(f"stride: S must be >= 2 so that a query has a successor, got {self.stride}")
-        if self.chunks < 1:
-            raise ValueError(f"chunks: L must be >= 1, got {self.chunks}")
-        if not 1 <= self.heads < self.stride:
-            raise ValueError(f"heads: need 1 <= m < S = {self.stride}, got m = {self.heads}")
-        if self.vocab < self.chunks * self.stride:
-            raise ValueError(f"vocab: need N >= L*S = {self.chunks * self.stride} distinct tokens, "
-                             f"got {self.vocab}")
-        if self.kappa <= 0:
-            raise ValueError(f"kappa: must be > 0, got {self.kappa}")
-        if self.eps < 0:
-            raise ValueError(f"eps: must be >= 0, got {self.eps}")
-        if self.gamma <= 0 or self.beta <= 0:
-            raise ValueError(f"gamma, beta: must be > 0, got {self.gamma}, {self.beta}")
-
-    @property
-    def dim(self) -> int:
-        return self.vocab + 1
 
 
 # ---------------------------------------------------------------- embeddings and contexts

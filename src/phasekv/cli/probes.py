@@ -6,18 +6,14 @@
     phasekv cycle --checkpoint DIR --protocol prefix --out OUT [--deltas -3 -2 -1 0 1 2 3]
 
 Prompt sets are those of `phasekv eval` (same flags and defaults; --clusters makes them smaller).
+Each command builds its --out directory aside and publishes it when complete.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import torch
-
-from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.cli import add_prompt_arguments, add_source_arguments, open_source
+from phasekv.cli.evaluate import add_prompt_arguments, add_source_arguments, source_and_config
 
 
 def add_parser(sub) -> None:
@@ -27,7 +23,7 @@ def add_parser(sub) -> None:
     k.add_argument("--whole-layer", action="store_true", help="knock out all heads of a layer at once")
     k.add_argument("--calib-prompts", type=int, default=256, help="calibration prompts N_cal")
     k.add_argument("--calib-seed", type=int, help="seed of the calibration set (default: --seed + 1)")
-    k.set_defaults(func=knockout_command)
+    k.set_defaults(func=knockout)
 
     g = sub.add_parser("gates", help="gate concentration and profiles of the compressed layers")
     g.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory")
@@ -36,48 +32,48 @@ def add_parser(sub) -> None:
     g.add_argument("--top", type=int, default=4, help="heads shown in gate_profiles.png")
     g.add_argument("--trajectory", action="store_true",
                    help="also the trajectory over the run's gate snapshots (--checkpoint must be the run directory)")
-    g.set_defaults(func=gates_command)
+    g.set_defaults(func=gates)
 
     c = sub.add_parser("cycle", help="cycle the gates by delta (W = S models) and compare to the prediction")
     c.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory")
     add_prompt_arguments(c)
     c.add_argument("--deltas", type=int, nargs="+", default=list(range(-3, 4)), help="offsets delta to cycle by")
-    c.set_defaults(func=cycle_command)
+    c.set_defaults(func=cycle)
 
 
-def _open(args) -> tuple[Adapter, EvalSet]:
-    for name in ("prompts", "calib_prompts", "top"):
-        value = getattr(args, name, 1)
+def _positive(args, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
-    return open_source(args)
 
 
-def knockout_command(args) -> dict[str, Any]:
-    from phasekv.probes.knockout import calibration_set, run_knockout
+def knockout(args) -> dict[str, Any]:
+    from phasekv.outputs import output_dir
+    from phasekv.probes.knockout import run_knockout_on
 
-    adapter, eval_set = _open(args)
-    calib = calibration_set(eval_set, args.calib_prompts, args.calib_seed)
-    return run_knockout(adapter, eval_set, calib, args.out, args.whole_layer, args.batch_size,
-                        not args.no_progress, not args.one_by_one)
-
-
-def gates_command(args) -> dict[str, Any]:
-    from phasekv.probes.gates import gate_report, gate_trajectory
-
-    adapter, eval_set = _open(args)
-    prompts = eval_set.prompts()
-    keep = np.linspace(0, len(prompts) - 1, min(args.prompts, len(prompts))).round().astype(int)
-    ids = torch.tensor([prompts[i].ids for i in keep])  # (B, T), spread over clusters and shifts
-    result = gate_report(adapter, ids, args.out, args.top, args.batch_size, not args.no_progress)
-    if args.trajectory:
-        result["trajectory"] = gate_trajectory(args.checkpoint, ids, args.out, args.batch_size, not args.no_progress)
-    return result
+    _positive(args, "calib_prompts")
+    source, cfg = source_and_config(args)
+    with output_dir(args.out, args.force) as tmp:
+        return run_knockout_on(source, cfg, tmp, args.whole_layer, args.calib_prompts, args.calib_seed,
+                               not args.no_progress)
 
 
-def cycle_command(args) -> dict[str, Any]:
-    from phasekv.probes.cycle import run_cycling
+def gates(args) -> dict[str, Any]:
+    from phasekv.outputs import output_dir
+    from phasekv.probes.gates import gates_on
 
-    adapter, eval_set = _open(args)
-    return run_cycling(adapter, eval_set, args.deltas, args.out, args.batch_size, not args.no_progress,
-                       not args.one_by_one)
+    _positive(args, "prompts", "top")
+    source, cfg = source_and_config(args)
+    with output_dir(args.out, args.force) as tmp:
+        return gates_on(source, cfg, tmp, args.prompts, args.top, args.trajectory, not args.no_progress)
+
+
+def cycle(args) -> dict[str, Any]:
+    from phasekv.outputs import output_dir
+    from phasekv.probes.cycle import cycling_on
+
+    source, cfg = source_and_config(args)
+    with output_dir(args.out, args.force) as tmp:
+        return cycling_on(source, cfg, tmp, args.deltas, not args.no_progress)
+

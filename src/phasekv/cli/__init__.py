@@ -1,0 +1,75 @@
+"""The `phasekv` command: a thin map from subcommands to typed library functions.
+
+Each subcommand's module in this package exposes `add_parser(subparsers)`; the parser it adds sets
+`func`, which turns the parsed flags into typed arguments and calls one library function.  No
+library module defines an argparse parser.  Bad user input becomes one line on stderr and exit
+status 2 (130 on Ctrl-C), never a traceback (`-v` shows it); under torchrun only rank 0 prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "probes", "reproduce"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2), like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="phasekv", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"phasekv.cli.{name}").add_parser(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line: the message, or the exception type for errors without one."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
+        text = f"{exc.filename}: {text}"
+    return text[:500]
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (ValueError, OSError, pickle.UnpicklingError, SafetensorError, RuntimeError, MemoryError,
+            RecursionError, UnicodeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from phasekv.distributed import is_main
+
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        if is_main():
+            print(f"phasekv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as exc:
+        if args.verbose:
+            traceback.print_exc()
+        if is_main():
+            print(f"phasekv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

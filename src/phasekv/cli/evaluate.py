@@ -1,0 +1,80 @@
+"""`phasekv eval`: the phase-sensitivity evaluation of a phasekv checkpoint or any HF causal LM.
+
+    phasekv eval --checkpoint DIR --protocol prefix --out OUT
+    phasekv eval --hf PATH --protocol insequence --stride 4 --out OUT
+    torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
+
+Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags
+shared with the probes (model source and prompt set) are defined here once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from phasekv.config import PROTOCOLS
+
+# flag -> EvalConfig field, for the flags that describe the prompt set and the run
+_EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
+               "key_tokens", "value_tokens", "local_window", "batch_size", "one_by_one", "seed", "device", "dtype",
+               "device_map")
+
+
+def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name") -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
+    src.add_argument("--hf", help=hf_help)
+
+
+def add_prompt_arguments(p) -> None:
+    """The flags that choose a model and build its prompt set (shared by eval and the probes).
+    Unset flags are absent from the namespace, so the checkpoint's `eval` section applies."""
+    quiet = argparse.SUPPRESS
+    p.add_argument("--protocol", choices=PROTOCOLS, default=quiet, help="padding protocol (default prefix)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--stride", type=int, default=quiet, help="phase stride S (default: the model's; 8 without "
+                                                             "compression)")
+    p.add_argument("--residue-modulus", type=int, default=quiet, help="residues R (default 24)")
+    p.add_argument("--records", type=int, default=quiet, help="records per prompt (checkpoint: its training value; "
+                                                              "HF: 64)")
+    p.add_argument("--demos", type=int, default=quiet, help="demonstrations per prompt (default 8)")
+    p.add_argument("--clusters", type=int, default=quiet, help="logical examples (default: exact position matching)")
+    p.add_argument("--targets-per-context", type=int, default=quiet)
+    p.add_argument("--key-tokens", type=int, default=quiet, help="tokens per key (needle test: 2 keys + 2 values)")
+    p.add_argument("--value-tokens", type=int, default=quiet)
+    p.add_argument("--local-window", type=int, default=quiet, help="targets lie outside this many final tokens "
+                                                                   "(HF default 16)")
+    p.add_argument("--batch-size", type=int, default=quiet, help="query rows per forward (default: 256 checkpoints, "
+                                                                 "32 HF)")
+    p.add_argument("--one-by-one", action="store_true", default=quiet, help="one forward per prompt (no shared "
+                                                                            "prefill)")
+    p.add_argument("--seed", type=int, default=quiet)
+    p.add_argument("--device", default=quiet, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=quiet, help="HF models: torch dtype, e.g. bfloat16")
+    p.add_argument("--device-map", default=quiet, help="HF models: e.g. 'auto' to spread a large model over GPUs")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def source_and_config(args):
+    """(Source, EvalConfig) from parsed flags: the checkpoint's eval section, overridden by given flags."""
+    from phasekv.evaluate.sources import Source, eval_config
+
+    source = Source(checkpoint=getattr(args, "checkpoint", None), hf=getattr(args, "hf", None))
+    given = {name: getattr(args, name) for name in _EVAL_FLAGS if hasattr(args, name)}
+    return source, eval_config(source, given)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy by phase/residue of the lookup task, with intervals")
+    add_source_arguments(p)
+    add_prompt_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> dict[str, Any]:
+    from phasekv.evaluate.runner import run_eval
+
+    source, cfg = source_and_config(args)
+    return run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)

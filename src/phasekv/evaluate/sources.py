@@ -1,0 +1,116 @@
+"""Opening what evaluation and the probes measure: a checkpoint or a transformers model, and its prompts.
+
+`open_source(Source(checkpoint=DIR) or Source(hf=PATH), EvalConfig)` returns the model's adapter and
+the prompt set the settings describe.  For a checkpoint (either model family), the number of
+records, the vocabulary and the local window default to those of its training data (tested in
+distribution), and the `eval` section of its config.json supplies the settings the caller leaves
+unset (`eval_config`); the paper's 64 records + 8 demonstrations is the default for HF models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phasekv.checkpoint import load_checkpoint, read_experiment
+from phasekv.config import EvalConfig, from_section
+from phasekv.data.protocols import EvalSet, build_eval_set
+from phasekv.data.vocab import Vocabulary
+from phasekv.distributed import resolve_device
+from phasekv.evaluate.adapter import Adapter, adapter_for
+
+DEFAULT_STRIDE = 8  # phase stride assumed for models without compression (override with stride)
+HF_DEFAULTS = {"n_records": 64, "key_tokens": 1, "value_tokens": 1, "local_window": 16}
+
+
+@dataclass
+class Source:
+    """Exactly one of: a phasekv checkpoint or run directory, a transformers model (directory or name)."""
+
+    checkpoint: str | None = None
+    hf: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.hf is None):
+            raise ValueError("source: give exactly one of --checkpoint and --hf")
+
+
+def eval_config(source: Source, given: dict[str, Any]) -> EvalConfig:
+    """The settings: the checkpoint's `eval` section (if any), overridden by `given` (e.g. command-line flags)."""
+    base: dict[str, Any] = {}
+    if source.checkpoint is not None:
+        saved = read_experiment(source.checkpoint).get("eval")
+        if isinstance(saved, dict):
+            names = {f.name for f in dataclasses.fields(EvalConfig)}
+            base = {k: v for k, v in saved.items() if k in names}
+    return from_section(EvalConfig, {**base, **given}, "eval")
+
+
+def checkpoint_eval_defaults(path: str | Path) -> dict[str, Any]:
+    """Eval-set settings that test a checkpoint in distribution (from its training data)."""
+    tree = read_experiment(path)
+    data = tree.get("data", {})
+    if "vocab" not in tree:
+        raise ValueError(f"checkpoint {path}: config.json has no 'vocab' (not written by phasekv train)")
+    return {"vocab": Vocabulary.from_dict(tree["vocab"]), "n_records": data.get("n_records", 64),
+            "key_tokens": data.get("key_tokens", 1), "value_tokens": data.get("value_tokens", 1),
+            "local_window": tree["model"].get("local_window", data.get("local_window", 16))}
+
+
+def open_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Adapter, dict[str, Any]]:
+    """The adapter of a checkpoint of either family, and its in-distribution eval defaults (vocab included)."""
+    defaults = checkpoint_eval_defaults(path)
+    model, _ = load_checkpoint(path, device=resolve_device(device))
+    return adapter_for(model, Path(path).resolve().name), defaults
+
+
+def make_eval_set(adapter: Adapter, vocab, protocol: str, stride: int | None = None, **settings) -> EvalSet:
+    """The prompt set for `adapter`; stride defaults to the model's compression stride."""
+    stride = stride or adapter.info.stride or DEFAULT_STRIDE
+    eval_set = build_eval_set(vocab, protocol, stride=stride, **settings)
+    adapter.check_length(eval_set.prompt_length)
+    return eval_set
+
+
+def open_model(source: Source, cfg: EvalConfig) -> tuple[Adapter, Any, dict[str, Any]]:
+    """(adapter, vocabulary, defaults for records / key and value tokens / local window)."""
+    if source.hf is not None:
+        from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
+
+        adapter, tokenizer = load_hf(source.hf, cfg.device, cfg.dtype, cfg.device_map, stride=cfg.stride,
+                                     local_window=cfg.local_window)
+        n = cfg.records or HF_DEFAULTS["n_records"]
+        vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, cfg.key_tokens or 1), "values": 16,
+                                                "fillers": 8})
+        return adapter, vocab, dict(HF_DEFAULTS)
+    adapter, defaults = open_checkpoint(source.checkpoint, cfg.device)
+    return adapter, defaults.pop("vocab"), defaults
+
+
+def open_source(source: Source, cfg: EvalConfig) -> tuple[Adapter, EvalSet]:
+    """The adapter and the prompt set `cfg` describes (unset fields: the model's own values)."""
+    adapter, vocab, defaults = open_model(source, cfg)
+    settings = {
+        "n_records": cfg.records or defaults["n_records"], "n_demos": cfg.demos,
+        "residue_modulus": cfg.residue_modulus, "n_clusters": cfg.clusters,
+        "targets_per_context": cfg.targets_per_context,
+        "key_tokens": cfg.key_tokens or defaults["key_tokens"],
+        "value_tokens": cfg.value_tokens or defaults["value_tokens"],
+        "local_window": cfg.local_window or defaults["local_window"], "seed": cfg.seed,
+    }
+    return adapter, make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **settings)
+
+
+def batch_size(source: Source, cfg: EvalConfig) -> int:
+    """Query rows per forward: the setting, else 32 for HF models and 256 for checkpoints."""
+    return cfg.batch_size or (32 if source.hf is not None else 256)
+
+
+def _words_needed(n_records: int, key_tokens: int) -> int:
+    """Single-token key words needed for n_records distinct keys of key_tokens tokens."""
+    k = 1
+    while k ** key_tokens < n_records:
+        k += 1
+    return max(k, 2)
