@@ -1,6 +1,7 @@
 """Tiny configs shared by the tests."""
 
 from phasekv.config import ModelConfig
+from tests import toy_compressor  # noqa: F401  (registers "toy_mean": a compressor defined outside the package)
 
 # one entry per compressor option combination the test matrix covers
 COMPRESSOR_MATRIX = {
@@ -19,6 +20,7 @@ COMPRESSOR_MATRIX = {
     "deepseek_csa": dict(compressor="deepseek_csa", csa_block=4, rope_dims=16, rope_part="last", attn_sink=True),
     "deepseek_csa-indexer": dict(compressor="deepseek_csa", csa_block=4, index_topk=2),
     "deepseek_hca": dict(compressor="deepseek_hca", hca_block=8),
+    "toy_mean": dict(compressor="toy_mean", span=3, scale=0.5),
     "deepseek-v4-pattern": dict(compressor="deepseek_csa", num_hidden_layers=4, hca_block=8,
                                 layer_types=["sliding", "sliding", "deepseek_csa", "deepseek_hca"]),
 }

@@ -189,6 +189,15 @@ class EvalSet:
         return f"{head}\n{' '.join(words)} {tail}"
 
 
+def _check_arguments(protocol: str, **ints: int) -> None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol: unknown {protocol!r}; choose one of {PROTOCOLS}")
+    for name, value in ints.items():
+        low = 0 if name in ("n_demos", "seed") or (name == "insequence_gap" and protocol != "insequence") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+
 def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demos: int = 8, stride: int = 8,
                    residue_modulus: int = 24, n_clusters: int | None = None,
                    targets_per_context: int | None = None, local_window: int = 16, key_tokens: int = 1,
@@ -199,15 +208,9 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
     count that makes the matching of target-position means and variances exact (g R when the pitch
     divides R).  insequence_gap: fillers per record in the in-sequence layout (ignored by prefix).
     """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol: unknown {protocol!r}; choose one of {PROTOCOLS}")
-    ints = {"n_records": (n_records, 1), "n_demos": (n_demos, 0), "stride": (stride, 1),
-            "residue_modulus": (residue_modulus, 1), "local_window": (local_window, 1),
-            "key_tokens": (key_tokens, 1), "value_tokens": (value_tokens, 1), "seed": (seed, 0),
-            "insequence_gap": (insequence_gap, 1 if protocol == "insequence" else 0)}
-    for name, (value, low) in ints.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+    _check_arguments(protocol, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=residue_modulus,
+                     local_window=local_window, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
+                     insequence_gap=insequence_gap)
     R = residue_modulus
     if R % stride:
         raise ValueError(f"residue_modulus: {R} is not a multiple of stride {stride}")
