@@ -41,3 +41,13 @@ def test_paper_presets_are_qwen3_06b_geometry(path):
     # and dropping the q/k norms removes 28 * 2 * 128
     expected = 596_049_920 - (8 - kv) * 28 * 2 * 1024 * 128 - (0 if exp.model.qk_norm else 28 * 2 * 128)
     assert n_backbone == expected
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "transformers").glob("*.yaml")), ids=lambda p: p.stem)
+def test_transformers_presets_build_and_run(path):
+    from phasekv import families
+
+    exp = Experiment.from_file(path)
+    model = families.build(exp.model)
+    with torch.no_grad():
+        assert families.logits(model, torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, exp.model.vocab_size)
