@@ -78,16 +78,18 @@ class Layout(NamedTuple):
 
 
 def assemble(bos: int, keys: np.ndarray, values: np.ndarray, gaps: list[int], fillers: np.ndarray,
-             queries: list[int]) -> Layout:
-    """<bos>, then record i preceded by gaps[i] fillers, gaps[N] fillers, then the queried records.
+             queries: list[int], header: list[int] = (), tail: list[int] = ()) -> Layout:
+    """<bos> header, then record i preceded by gaps[i] fillers, gaps[N] fillers, tail, then the queried
+    records.
 
     keys (N, key_tokens) and values (N, value_tokens) are token ids; gaps has N + 1 entries; fillers
-    holds at least sum(gaps) filler ids, used in order; queries are record indices.
+    holds at least sum(gaps) filler ids, used in order; queries are record indices; header and tail are
+    a prompt format's framing (`phasekv.data.formats`; empty for the synthetic task).
     """
     n = len(keys)
     if len(gaps) != n + 1:
         raise ValueError(f"gaps: expected {n + 1} entries, got {len(gaps)}")
-    ids = [bos]
+    ids = [bos, *header]
     used = 0
     record_positions = []
     for i in range(n + 1):
@@ -97,6 +99,7 @@ def assemble(bos: int, keys: np.ndarray, values: np.ndarray, gaps: list[int], fi
             record_positions.append(len(ids))
             ids.extend(keys[i].tolist())
             ids.extend(values[i].tolist())
+    ids.extend(tail)
     query_positions = []
     for r in queries:
         query_positions.append(len(ids))
@@ -107,7 +110,10 @@ def assemble(bos: int, keys: np.ndarray, values: np.ndarray, gaps: list[int], fi
 
 def sample_records(rng: np.random.Generator, vocab: Vocabulary, n: int, key_tokens: int,
                    value_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """n records: keys (n, key_tokens) all distinct, values (n, value_tokens) uniform with replacement."""
+    """n records: keys (n, key_tokens) all distinct, values (n, value_tokens) uniform with replacement.
+    A vocabulary with its own record pieces (a prompt format) samples them itself."""
+    if hasattr(vocab, "sample_records"):
+        return vocab.sample_records(rng, n, key_tokens, value_tokens)
     key_ids = np.asarray(vocab.group("keys"))
     space = len(key_ids) ** key_tokens
     if n > space:

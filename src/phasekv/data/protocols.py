@@ -128,7 +128,7 @@ class EvalSet:
 
     @property
     def chance(self) -> float:
-        """Accuracy of guessing the answer (a value word) uniformly: 1 / number of value words."""
+        """Accuracy of guessing the answer uniformly: 1 / number of possible answer tokens."""
         return 1.0 / len(self.vocab.group("values"))
 
     @property
@@ -211,6 +211,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
     _check_arguments(protocol, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=residue_modulus,
                      local_window=local_window, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
                      insequence_gap=insequence_gap)
+    header, tail = list(getattr(vocab, "header", ())), list(getattr(vocab, "tail", ()))
+    lead = 1 + len(header)  # <bos> and the format's header come before the first filler
     R = residue_modulus
     if R % stride:
         raise ValueError(f"residue_modulus: {R} is not a multiple of stride {stride}")
@@ -219,7 +221,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
     pitch = rec + gap
     g = math.gcd(pitch, R)
     classes = R // g  # residue classes a cluster can reach
-    first, starts = _class_starts(R, g, pitch)
+    first, starts = _class_starts(R, g, pitch, lead)
     exact = _exact_class_size(starts, pitch * classes)
     targets_per_context = classes if targets_per_context is None else targets_per_context
     if not isinstance(targets_per_context, int) or targets_per_context < 1 or targets_per_context % classes:
@@ -238,14 +240,14 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                          f"{len(vocab.group('keys'))} key words")
 
     fillers_total = (g - 1) + (R - 1) + gap * n_records
-    query_position = 1 + fillers_total + rec * (n_records + n_demos) + key_tokens - 1
+    query_position = lead + fillers_total + len(tail) + rec * (n_records + n_demos) + key_tokens - 1
     settings = {"protocol": protocol, "n_records": n_records, "n_demos": n_demos, "stride": stride,
                 "residue_modulus": R, "n_clusters": n_clusters, "targets_per_context": targets_per_context,
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
     tag = _TAG[protocol]
-    targets = _design_targets(R, g, pitch, rec, first, starts, n_records, n_clusters, t, query_position,
+    targets = _design_targets(R, g, pitch, rec, lead, first, starts, n_records, n_clusters, t, query_position,
                               local_window, np.random.default_rng([seed, tag, _DESIGN]))
 
     contexts = []
@@ -262,11 +264,11 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
             else:
                 gaps = _insequence_gaps(np.random.default_rng([seed, tag, _CONTEXT, c, s]), target_records,
                                         n_records, f + s, gap, fillers_total)
-            layout = assemble(vocab.bos, keys, values, gaps, fillers, demos)
+            layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, header, tail)
             queries = []
             for i in target_records:
                 pos = layout.record_positions[i]
-                if pos != 1 + f + pitch * i + s or not outside_local_window(pos + rec - 1, query_position,
+                if pos != lead + f + pitch * i + s or not outside_local_window(pos + rec - 1, query_position,
                                                                              local_window):
                     raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
                 queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % R, pos % stride, s, c,
@@ -287,13 +289,13 @@ def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_
     return gaps.tolist()
 
 
-def _class_starts(R: int, g: int, pitch: int) -> tuple[list[int], list[int]]:
-    """Per base residue rho: the first record index i0 whose base 1 + f + pitch * i0 (f = (rho - 1) mod g)
-    is = rho (mod R), and that base."""
+def _class_starts(R: int, g: int, pitch: int, lead: int = 1) -> tuple[list[int], list[int]]:
+    """Per base residue rho: the first record index i0 whose base lead + f + pitch * i0
+    (f = (rho - lead) mod g) is = rho (mod R), and that base (lead: tokens before the first filler)."""
     classes = R // g
     inverse = pow(pitch // g, -1, classes) if classes > 1 else 0
-    first = [((rho - 1 - (rho - 1) % g) // g * inverse) % classes for rho in range(R)]
-    return first, [1 + (rho - 1) % g + pitch * first[rho] for rho in range(R)]
+    first = [((rho - lead - (rho - lead) % g) // g * inverse) % classes for rho in range(R)]
+    return first, [lead + (rho - lead) % g + pitch * first[rho] for rho in range(R)]
 
 
 def _exact_class_size(starts: list[int], step: int) -> int:
@@ -305,8 +307,8 @@ def _exact_class_size(starts: list[int], step: int) -> int:
     return step // math.gcd(step, common)
 
 
-def _design_targets(R: int, g: int, pitch: int, rec: int, first: list[int], starts: list[int], n_records: int,
-                    n_clusters: int, t: int, query_position: int, local_window: int,
+def _design_targets(R: int, g: int, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
+                    n_records: int, n_clusters: int, t: int, query_position: int, local_window: int,
                     rng: np.random.Generator) -> list[list[int]]:
     """Target record indices of every cluster, sorted; see the module docstring."""
     classes = R // g
@@ -342,7 +344,7 @@ def _design_targets(R: int, g: int, pitch: int, rec: int, first: list[int], star
         qs = _spread(K, qmax[rho], per_family, (sums[rho] - K * starts[rho]) // step, rho)
         owner = rng.permutation(per_family)
         for j, q in enumerate(qs):  # sorted; a run of equal q is at most per_family long: distinct per cluster
-            targets[(rho - 1) % g + g * int(owner[j % per_family])].append(first[rho] + classes * q)
+            targets[(rho - lead) % g + g * int(owner[j % per_family])].append(first[rho] + classes * q)
     return [sorted(ts) for ts in targets]
 
 
