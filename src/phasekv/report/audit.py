@@ -1,0 +1,140 @@
+"""`phasekv audit`: is a real model's retrieval phase sensitive under the chunk compression you ship?
+
+One command for a person who ships a compressed model: load a transformers causal LM (optionally from
+a GGUF file), render the lookup task in a prompt format the model can do (`phasekv.data.formats`),
+and evaluate it under each condition:
+
+    none            the full cache (the capability gate: if the model cannot do the task with this
+                    format, the audit stops and says so; no phase verdict is given for a model at chance)
+    select:r, mean, max-norm[+keep-first:n]
+                    post-hoc chunk compression of the prefilled cache (`phasekv.evaluate.posthoc`):
+                    one entry per window of W tokens every S tokens, older than the local window
+    press:NAME      a kvpress press applied during prefill (`phasekv.evaluate.presses`)
+
+Both padding protocols (exact position matching), per-phase accuracy with intervals, the chance
+level, the detected period and a one-line verdict per condition go into OUT/summary.json (the one
+source of truth) and OUT/report.html (drawn from it).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from phasekv.config import PROTOCOLS
+from phasekv.data.formats import FormatVocabulary, load_format
+from phasekv.data.protocols import build_eval_set
+from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.runner import predict, write_run
+from phasekv.figures.evaluation import plot_residue_curves
+from phasekv.outputs import output_dir
+from phasekv.report.html import STYLE, _img, _pct
+from phasekv.report.reproduce import METRIC_KEYS, check_finite
+
+log = logging.getLogger(__name__)
+
+AUDIT_KEYS = (*METRIC_KEYS, "chance", "can_do_task", "verdict")
+
+
+def condition_adapter(base: Adapter, condition: str, window: int, stride: int, local_window: int) -> Adapter:
+    """The adapter that evaluates `base` under one condition (see the module docstring)."""
+    if condition == "none":
+        return base
+    if condition.startswith("press:"):
+        from phasekv.evaluate.presses import PressAdapter, build_press
+
+        return PressAdapter(base, build_press(condition[len("press:"):]))
+    from phasekv.evaluate.posthoc import PosthocAdapter
+
+    return PosthocAdapter(base, condition, window=window, stride=stride, local_window=local_window)
+
+
+def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int, progress: bool) -> dict[str, Any]:
+    records = predict(adapter, eval_set, batch_size, True, progress, desc=f"{out.parent.name} {eval_set.protocol}")
+    metrics = write_run(adapter, eval_set, records, out, seed)
+    return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
+
+
+def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "records",
+              conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
+              window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
+              n_clusters: int = 8, seed: int = 0, batch_size: int = 16, force: bool = False,
+              progress: bool = True) -> dict[str, Any]:
+    """Audit `adapter` (a transformers model) under each condition; publish OUT atomically."""
+    if "none" not in conditions:
+        conditions = ("none", *conditions)  # the capability gate always runs first
+    conditions = ("none", *[c for c in conditions if c != "none"])
+    vocab = FormatVocabulary(load_format(fmt), tokenizer)
+    kt, vt = vocab.record_shape
+    started = time.perf_counter()
+    with output_dir(out, force) as tmp:
+        sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride,
+                                  residue_modulus=stride, n_clusters=n_clusters, key_tokens=kt, value_tokens=vt,
+                                  local_window=local_window, seed=seed) for p in PROTOCOLS}
+        adapter.check_length(max(s.prompt_length for s in sets.values()))
+        results: dict[str, Any] = {}
+        for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
+            cond_adapter = condition_adapter(adapter, condition, window, stride, local_window)
+            results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p,
+                                               batch_size, seed, progress) for p, s in sets.items()}
+            results[condition]["notes"] = dict(getattr(cond_adapter, "notes", {}))
+            if condition == "none" and not results["none"]["prefix"]["can_do_task"]:
+                log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
+                break
+        summary = {
+            "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
+            "can_do_task": results["none"]["prefix"]["can_do_task"],
+            "settings": {"window": window, "stride": stride, "local_window": local_window, "n_records": n_records,
+                         "n_demos": n_demos, "n_clusters": n_clusters, "seed": seed,
+                         "retokenization_agreement": vocab.retokenization_agreement(sets["prefix"].prompts()[0].ids)},
+            "elapsed_s": round(time.perf_counter() - started, 1),
+        }
+        check_finite(summary)
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_audit_report(summary, tmp)
+    return summary
+
+
+def _safe(condition: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in condition)
+
+
+def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
+    """report.html of an audit, drawn from `summary` alone."""
+    conditions = summary["conditions"]
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>phasekv audit: "
+             f"{html.escape(summary['model'])}</title><style>{STYLE}</style></head><body>",
+             f"<h1>Phase audit of {html.escape(summary['model'])}</h1>",
+             f"<p class='note'>Format {html.escape(summary['format']['format']['name'])}; windows of "
+             f"{summary['settings']['window']} tokens every {summary['settings']['stride']} (phase = position mod "
+             f"{summary['settings']['stride']}); the last {summary['settings']['local_window']} tokens stay raw. "
+             "Accuracy = top-1 of the answer's first token; chance = 1 / possible answer tokens.</p>"]
+    if not summary["can_do_task"]:
+        parts.append(f"<p class='no'>{html.escape(conditions['none']['prefix']['verdict'])} with this format: "
+                     "no compressed condition was evaluated.</p>")
+    for protocol in PROTOCOLS:
+        parts.append(f"<h2>{protocol} padding</h2><table><tr><th>condition</th><th>mean %</th><th>chance %</th>"
+                     "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
+        for name, result in conditions.items():
+            m = result[protocol]
+            worst = min(r["accuracy"] for r in m["per_phase"])
+            parts.append(f"<tr><td>{html.escape(name)}</td><td>{_pct(m['mean_accuracy'])}</td>"
+                         f"<td>{_pct(m['chance'])}</td><td>{_pct(worst)}</td><td>{m['max_gap_pp']:.1f}</td>"
+                         f"<td>{m['detected_period']}</td><td>{m['flatness_p']:.3g}</td>"
+                         f"<td>{html.escape(m['verdict'])}</td></tr>")
+        parts.append("</table>")
+        path = plot_residue_curves({n: r[protocol] for n, r in conditions.items()},
+                                   out / "figures" / f"phases_{protocol}.png",
+                                   title=f"Accuracy by target position mod S, {protocol} padding")
+        parts.append(_img(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+    parts.append(f"<p class='note'>phasekv audit, {summary['elapsed_s']:.0f} s; settings: "
+                 f"{html.escape(str(summary['settings']))}.</p></body></html>")
+    path = out / "report.html"
+    path.write_text("\n".join(parts))
+    return path
