@@ -16,7 +16,7 @@ from phasekv.evaluate.posthoc import PosthocAdapter, compress_cache, parse_polic
 VOCAB, T, Q = 61, 37, 3  # context length, query length
 
 
-def _tiny(family: str) -> HFAdapter:
+def _tiny(family: str, attention: str = "eager") -> HFAdapter:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
@@ -24,13 +24,13 @@ def _tiny(family: str) -> HFAdapter:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    model.config._attn_implementation = "eager"
-    return HFAdapter(model.float(), family)
+    model.config._attn_implementation = attention
+    return HFAdapter(model.float(), f"{family}-{attention}")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=[("llama", "eager"), ("qwen3", "eager"), ("qwen3", "sdpa")], ids="-".join)
 def hf(request) -> HFAdapter:
-    return _tiny(request.param)
+    return _tiny(*request.param)
 
 
 def _ids(rows: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:
