@@ -32,3 +32,24 @@ def tiny(**overrides) -> ModelConfig:
                 max_position_embeddings=512)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def bpe_tokenizer():
+    """A small byte-level BPE tokenizer trained here on record-like text (digits and words split as in
+    real tokenizers), wrapped as a transformers tokenizer with <s> as bos and eos."""
+    import numpy as np
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from phasekv.data.vocab import _BASE
+
+    rng = np.random.default_rng(0)
+    lines = ["Here is the list of records.\n", "That is the whole list.\n"] * 50 + [" um okay so\n"] * 200
+    for _ in range(3000):
+        lines.append(f"{rng.choice(_BASE['keys'])}: {rng.integers(100, 1000)} {rng.choice(_BASE['values'])}\n")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=1200, special_tokens=["<s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>")

@@ -1,29 +1,16 @@
 """Prompt formats as data: token-exact framed prompts for real tokenizers, with matched positions."""
 
-import numpy as np
 import pytest
 
 from phasekv.data.formats import FORMATS, FormatVocabulary, load_format
 from phasekv.data.protocols import build_eval_set
-from phasekv.data.vocab import _BASE
+from tests.helpers import bpe_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A small byte-level BPE tokenizer trained here on record-like text (digits and words split)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = np.random.default_rng(0)
-    lines = ["Here is the list of records.\n", "That is the whole list.\n"] * 50 + [" um okay so\n"] * 200
-    for _ in range(3000):
-        lines.append(f"{rng.choice(_BASE['keys'])}: {rng.integers(100, 1000)} {rng.choice(_BASE['values'])}\n")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=1200, special_tokens=["<s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>")
+    pytest.importorskip("transformers")
+    return bpe_tokenizer()
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

