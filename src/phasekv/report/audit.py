@@ -94,9 +94,9 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
     kt, vt = vocab.record_shape
     started = time.perf_counter()
     with output_dir(out, force) as tmp:
-        sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride,
-                                  residue_modulus=stride, n_clusters=_clusters(prompts_per_phase, kt + vt, p, stride),
-                                  key_tokens=kt, value_tokens=vt, local_window=local_window, seed=seed)
+        sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=stride,
+                                  n_clusters=_clusters(prompts_per_phase, kt + vt, p, stride), key_tokens=kt,
+                                  value_tokens=vt, local_window=local_window, seed=seed)
                 for p in PROTOCOLS}
         adapter.check_length(max(s.prompt_length for s in sets.values()))
         results: dict[str, Any] = {}
@@ -127,8 +127,8 @@ def _clusters(per_phase: int, record: int, protocol: str, stride: int) -> int:
     """The fewest clusters (a multiple of g = gcd(record pitch, S)) that give at least `per_phase` prompts
     per phase: a cluster is shown at S shifts with S / g targets, i.e. S / g prompts per phase."""
     g = math.gcd(record + (1 if protocol == "insequence" else 0), stride)
-    per_cluster = stride // g
-    return -(-(-(-per_phase // per_cluster)) // g) * g
+    clusters = math.ceil(per_phase / (stride // g))
+    return math.ceil(clusters / g) * g
 
 
 def _safe(condition: str) -> str:
