@@ -54,14 +54,19 @@ def test_ddp_deepseek_csa_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_failing_eval_under_torchrun_prints_its_error_once(tmp_path):
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_failing_command_under_torchrun_prints_its_error_once(tmp_path, command):
+    """eval: every rank fails (no checkpoint); train: only rank 0 sees the non-empty --out, and the
+    other rank must stop too instead of waiting for it in a collective."""
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    result = torchrun("eval", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"),
-                      "--no-progress")
+    cfg = tmp_path / "csa.yaml"
+    cfg.write_text(yaml.safe_dump(CSA))
+    args = ["--checkpoint", str(tmp_path / "nowhere")] if command == "eval" else [str(cfg)]
+    result = torchrun(command, *args, "--out", str(tmp_path / "out"), "--no-progress")
     assert result.returncode != 0
-    assert result.stderr.count("phasekv eval: error:") == 1, result.stderr[-2000:]
-    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    assert result.stderr.count(f"phasekv {command}: error:") == 1, result.stderr[-2000:]
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine" and len(list((tmp_path / "out").iterdir())) == 1
 
 
 def test_indexer_is_refused_by_training_in_one_line(tmp_path):

@@ -215,9 +215,7 @@ def _leaves(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool, dd, model, optimizer) -> int:
-    """Create or reopen the run directory; the step to start from.  `tree` is the config.json content.
-    A new run writes config.json before anything else, so `--resume` can tell a run killed before its
-    first checkpoint (config.json, no `latest`: it starts again from step 0) from a foreign directory."""
+    """Create or reopen the run directory; the step to start from.  `tree` is the config.json content."""
     if resume and (run / "latest").is_file():
         check_resume_config(run, exp)
         start = _load_resume_point(run, model, optimizer)
@@ -225,8 +223,24 @@ def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool,
             _truncate_metrics(run / "metrics.jsonl", start)
             log.info("resumed %s at step %d", run, start)
         return start
-    if not dd.main:
-        return 0  # rank 0 checks and creates the run directory
+    # rank 0 checks and creates the run directory; every rank stops on its verdict (no rank is left
+    # waiting in a collective for a rank 0 that has given up)
+    problem = None
+    if dd.main:
+        try:
+            _create_run(run, exp, tree, resume)
+        except ValueError as exc:
+            problem = str(exc)
+    problem = dd.broadcast_object(problem)
+    if problem:
+        raise ValueError(problem)
+    return 0
+
+
+def _create_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool) -> None:
+    """A new run directory.  config.json is written before anything else, so `--resume` can tell a
+    run killed before its first checkpoint (config.json, no `latest`: it starts again from step 0)
+    from a foreign directory."""
     if (run / "latest").exists():
         raise ValueError(f"--out {run}: already holds a run; pass --resume to continue it or choose a new dir")
     if resume and (run / CONFIG_FILE).is_file():
@@ -238,7 +252,6 @@ def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool,
     run.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run / CONFIG_FILE, tree)
     write_atomic(run / "metrics.jsonl", "")
-    return 0
 
 
 def _check_trainable(model: torch.nn.Module, exp: Experiment, vocab: Vocabulary) -> None:
