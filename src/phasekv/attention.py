@@ -38,7 +38,7 @@ class Visible:
 
     entries_k: torch.Tensor | None  # (B, KVH, N, D)
     entries_v: torch.Tensor | None  # (B, KVH, N, D)
-    entries_end: torch.Tensor | None  # (N,) last token position of each entry's window
+    entries_end: torch.Tensor | None  # (N,) last token position of each entry's window, on the CPU
     selection: Selection | None = None  # the compressor's choice of entries per query (None: all visible)
 
 
@@ -49,8 +49,8 @@ def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
 
 
 def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-    """(B or 1, Tq, n) True where entry j is usable by the query."""
-    ok = (vis.entries_end[:n][None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
+    """(B or 1, Tq, n) True where entry j is usable by the query (q_pos on the compute device)."""
+    ok = (vis.entries_end[:n].to(q_pos.device)[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
     sel = vis.selection
     if sel is not None and n > sel.k:
         scores = sel.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
@@ -65,8 +65,10 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
     """Joint softmax over the raw local window and visible compressed entries.
 
-    q (B, KVH, G, Tq, D) at positions q_pos (Tq,); k_all, v_all (B, KVH, local-1+Tq, D) hold the
-    `local - 1` raw tokens before the queries (position -1 = empty slot) then the queries' own.
+    q (B, KVH, G, Tq, D) at positions q_pos (Tq,), a CPU tensor: how many entries a block of queries
+    sees is decided on the host (no device sync; the meta device works).  k_all, v_all
+    (B, KVH, local-1+Tq, D) hold the `local - 1` raw tokens before the queries (position -1 = empty
+    slot) then the queries' own.
     `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
     """
     B, KVH, G, Tq, D = q.shape
@@ -75,7 +77,7 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
     for a in range(0, Tq, block):
         b = min(a + block, Tq)
-        qb, pos = q[:, :, :, a:b], q_pos[a:b]
+        qb, pos = q[:, :, :, a:b], q_pos[a:b].to(k_pos.device)
         kl = k_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
         vl = v_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
         kp = k_pos[a:b + local - 1].unfold(0, local, 1)  # (nb, L)
@@ -84,7 +86,7 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
             ok_local = ok_local & (kp >= tail_start(pos, *tail)[:, None])
         logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl)]  # (B, KVH, G, nb, L)
         masks = [ok_local[None]]  # (1, nb, L): masks depend on (batch, query, key), never on the head
-        n = int((vis.entries_end <= pos[-1]).sum()) if n_total else 0  # entries any query here sees
+        n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # entries any query here sees
         if n:
             ek = vis.entries_k[:, :, :n]
             logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek))  # (B, KVH, G, nb, n)
@@ -201,12 +203,12 @@ class Attention(nn.Module):
 
     def compressed_entries(self, h: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries of the complete windows of h (B, P, hidden), whose first token is at position `first`
-        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,)."""
+        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,) on the CPU."""
         c = self.compressor
         ek, ev = c.compress(h)  # (B, N, KVH, D)
         n = ek.shape[1]
-        starts = first + torch.arange(n, device=h.device) * c.stride
-        ek = self._norm_rope(ek.transpose(1, 2), "k_norm", starts)  # (B, KVH, N, D)
+        starts = first + torch.arange(n) * c.stride  # on the CPU, like every entry position
+        ek = self._norm_rope(ek.transpose(1, 2), "k_norm", starts.to(h.device))  # (B, KVH, N, D)
         ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
         return ek, ev, starts + c.window - 1
 
@@ -236,5 +238,6 @@ class Attention(nn.Module):
             cache.compact()
         G = self.num_heads // KVH
         qg = q.view(B, KVH, G, T, D)  # (B, KVH, G, T, D)
-        out = windowed_attention(qg, pos, k_all, v_all, k_pos, L, vis, self.sink, self.tail, self.query_block)
+        q_pos = torch.arange(start, start + T)  # the host copy of pos
+        out = windowed_attention(qg, q_pos, k_all, v_all, k_pos, L, vis, self.sink, self.tail, self.query_block)
         return out.reshape(B, self.num_heads, T, D)

@@ -33,7 +33,7 @@ class LayerCache:
     pending_start: int = 0
     entries_k: torch.Tensor | None = None  # (B, KVH, N, D)
     entries_v: torch.Tensor | None = None  # None when tied
-    entries_end: torch.Tensor | None = None  # (N,)
+    entries_end: torch.Tensor | None = None  # (N,), on the CPU: visibility is decided on the host
 
     @classmethod
     def empty_windowed(cls, B: int, KVH: int, L: int, D: int, hidden: int, dtype, device) -> LayerCache:

@@ -69,6 +69,14 @@ class Dist:
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (plain data only)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def shutdown(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

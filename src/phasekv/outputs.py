@@ -72,7 +72,9 @@ def recover(directory: Path) -> None:
 
 
 def check_output_dir(out: Path, force: bool) -> None:
-    """Refuse an --out that is a file, a symlink, or (without `force`) a non-empty directory."""
+    """Refuse an --out that is a file, a symlink, or (without `force`) a non-empty directory; an --out
+    left as `NAME.old` by a crash inside `publish` is first brought back."""
+    recover(out)
     if out.is_symlink():
         raise ValueError(f"--out {out}: is a symbolic link; give a real directory path")
     if out.exists() and not out.is_dir():

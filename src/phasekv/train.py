@@ -19,6 +19,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -109,9 +111,11 @@ def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabu
                      (run / "checkpoints" / name / "gates.safetensors").read_bytes())
     write_atomic(run / "latest", name + "\n")
     for old in _kept_checkpoints(run)[:-exp.train.keep_checkpoints]:
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+        # renamed out of the kept set first, so a kill while deleting never leaves a half checkpoint
+        # that resume could fall back to
+        os.replace(old, old.with_name(old.name + ".deleting"))
+    for trash in (run / "checkpoints").glob("step_*.deleting"):  # this save's, and any a kill left
+        shutil.rmtree(trash)
 
 
 def _kept_checkpoints(run: Path) -> list[Path]:
@@ -188,17 +192,30 @@ def check_resume_config(run: Path, exp: Experiment) -> None:
         raise ValueError(f"run {run}: {CONFIG_FILE} is not a mapping")
     saved = Experiment.from_tree({k: v for k, v in saved.items() if k != "vocab"}).tree  # resolved like exp
     for section in ("model", "data", "train"):
-        old, new = saved.get(section, {}), exp.tree[section]
+        old, new = _leaves(saved.get(section, {}), section), _leaves(exp.tree[section], section)
         for key in sorted(set(old) | set(new)):
-            if section == "train" and key in TrainConfig.RESUMABLE:
+            if section == "train" and key[len("train."):] in TrainConfig.RESUMABLE:
                 continue
             if old.get(key) != new.get(key):
-                raise ValueError(f"--resume: {section}.{key} is {new.get(key)!r} but the run was trained with "
+                parts = key.split(".")  # model.compressors.NAME.OPTION is set as model.OPTION
+                name = f"model.{parts[3]} (compressor {parts[2]})" if parts[1:2] == ["compressors"] else key
+                raise ValueError(f"--resume: {name} is {new.get(key)!r} but the run was trained with "
                                  f"{old.get(key)!r}; only train.{', train.'.join(TrainConfig.RESUMABLE)} may change")
 
 
-def _prepare_run(run: Path, exp: Experiment, resume: bool, dd, model, optimizer) -> int:
-    """Create or reopen the run directory; the step to start from."""
+def _leaves(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Nested config sections as {"a.b.c": value}, so a difference is named down to its field."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = value
+    return out
+
+
+def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool, dd, model, optimizer) -> int:
+    """Create or reopen the run directory; the step to start from.  `tree` is the config.json content."""
     if resume and (run / "latest").is_file():
         check_resume_config(run, exp)
         start = _load_resume_point(run, model, optimizer)
@@ -206,16 +223,35 @@ def _prepare_run(run: Path, exp: Experiment, resume: bool, dd, model, optimizer)
             _truncate_metrics(run / "metrics.jsonl", start)
             log.info("resumed %s at step %d", run, start)
         return start
-    if not dd.main:
-        return 0  # rank 0 checks and creates the run directory
+    # rank 0 checks and creates the run directory; every rank stops on its verdict (no rank is left
+    # waiting in a collective for a rank 0 that has given up)
+    problem = None
+    if dd.main:
+        try:
+            _create_run(run, exp, tree, resume)
+        except ValueError as exc:
+            problem = str(exc)
+    problem = dd.broadcast_object(problem)
+    if problem:
+        raise ValueError(problem)
+    return 0
+
+
+def _create_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool) -> None:
+    """A new run directory.  config.json is written before anything else, so `--resume` can tell a
+    run killed before its first checkpoint (config.json, no `latest`: it starts again from step 0)
+    from a foreign directory."""
     if (run / "latest").exists():
         raise ValueError(f"--out {run}: already holds a run; pass --resume to continue it or choose a new dir")
-    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+    if resume and (run / CONFIG_FILE).is_file():
+        check_resume_config(run, exp)
+        log.warning("--resume %s: the run has no checkpoint yet; starting it again from step 0", run)
+    elif run.exists() and (not run.is_dir() or any(not (resume and p.name.endswith(".tmp")) for p in run.iterdir())):
         raise ValueError(f"--out {run}: exists and is not an empty directory (and holds no checkpoint); "
                          "choose a new directory")
     run.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run / CONFIG_FILE, tree)
     write_atomic(run / "metrics.jsonl", "")
-    return 0
 
 
 def _check_trainable(model: torch.nn.Module, exp: Experiment, vocab: Vocabulary) -> None:
@@ -243,9 +279,10 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     _check_trainable(model, exp, vocab)
     model = model.to(dd.device)
     optimizer = build_optimizer(model, cfg)
-    start = _prepare_run(run, exp, resume, dd, model, optimizer)
-    if dd.main:
-        write_json_atomic(run / "config.json", {**exp.tree, "vocab": vocab.to_dict()})
+    tree = {**exp.tree, "vocab": vocab.to_dict()}
+    start = _prepare_run(run, exp, tree, resume, dd, model, optimizer)
+    if dd.main and start:
+        write_json_atomic(run / CONFIG_FILE, tree)  # records the train fields changed on resume
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     last = _train_loop(ddp, model, optimizer, stream, exp, vocab, run, start, dd, progress)
@@ -327,11 +364,18 @@ def _write_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
 
 
 def _ensure_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
-    """A run that reached its last step always ends with final/ (a kill between the last checkpoint
-    and final/, or while final/ was replaced, is repaired here on --resume)."""
-    recover(run / "final")
+    """A run that reached its last step always ends with the final/ of that step: a kill between the
+    last checkpoint and final/, or while final/ was replaced, is repaired here on --resume; so is a
+    final/ left by an earlier, shorter run (resumed with a larger train.steps)."""
     final = run / "final"
-    if not ((final / MODEL_FILE).is_file() and (final / CONFIG_FILE).is_file()):
+    recover(final)
+    tree = {**exp.tree, "vocab": vocab.to_dict()}
+    try:
+        current = (final / MODEL_FILE).is_file() and json.loads((final / CONFIG_FILE).read_text()) == \
+            json.loads(json.dumps(tree))
+    except (OSError, ValueError):
+        current = False
+    if not current:
         _write_final(run, model, exp, vocab)
 
 

@@ -27,7 +27,7 @@ from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import summarize, task_verdict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.evaluation import plot_accuracy_by_residue
-from phasekv.outputs import output_dir
+from phasekv.outputs import check_output_dir, output_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,17 @@ def run_eval(source: Source, cfg: EvalConfig, out: str | Path, force: bool = Fal
     writes the union, in the original order."""
     dd = distributed.setup(cfg.device)
     try:
+        # rank 0 checks --out before any compute; every rank stops on its verdict (no rank is left
+        # waiting in a collective for a rank 0 that has given up)
+        problem = None
         if dd.main:
-            from phasekv.outputs import check_output_dir
-
-            check_output_dir(Path(out), force)  # before any compute
+            try:
+                check_output_dir(Path(out), force)
+            except ValueError as exc:
+                problem = str(exc)
+        problem = dd.broadcast_object(problem)
+        if problem:
+            raise ValueError(problem)
         adapter, eval_set = open_source(source, dataclasses.replace(cfg, device=str(dd.device)))
         shard = dataclasses.replace(eval_set, contexts=eval_set.contexts[dd.rank::dd.world])
         records = predict(adapter, shard, batch_size(source, cfg), not cfg.one_by_one,

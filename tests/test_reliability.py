@@ -1,0 +1,323 @@
+"""Crash safety and resume verification.
+
+Crash tests run `phasekv eval` / `phasekv train` in a subprocess whose `os.replace`, `os.fsync` or
+`shutil.rmtree` SIGKILLs the process at its N-th call (every write step of publishing), then check
+that the output is the old complete one or the new complete one, never a mix, and that
+`train --resume` always finishes the run with a complete final/.
+"""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import phasekv.outputs as outputs_mod
+from phasekv.cli import main
+from phasekv.config import Experiment
+from phasekv.train import read_metrics, train
+from tests.test_train import TINY, experiment
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+ENV = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+
+# Imports phasekv once, then forks one child per job; the child patches `fn` to SIGKILL itself at its
+# `at`-th call and runs `phasekv ARGV`.  Prints each child's wait status (fork keeps the tests fast:
+# one interpreter start instead of one per kill point).
+KILLER = '''
+import json, os, shutil, sys
+import torch
+import torch._dynamo  # imported lazily by the optimizer: once here, not once per child
+torch.set_num_threads(1)
+import phasekv.evaluate.runner, phasekv.train
+from phasekv.cli import build_parser, main
+build_parser()  # imports every subcommand's module before forking
+
+def child(name, at, argv):
+    module, attr = (shutil, "rmtree") if name == "shutil.rmtree" else (os, name[3:])
+    original, calls = getattr(module, attr), [0]
+
+    def patched(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), 9)
+        return original(*args, **kwargs)
+
+    setattr(module, attr, patched)
+    os._exit(main(argv))
+
+statuses = []
+for name, at, argv in json.loads(sys.argv[1]):
+    pid = os.fork()
+    if pid == 0:
+        child(name, at, argv)
+    statuses.append(os.waitpid(pid, 0)[1])
+print(json.dumps(statuses))
+'''
+
+
+def killed_runs(tmp_path: Path, jobs: list[tuple[str, int, list[str]]]) -> None:
+    """Run each (function, call number, phasekv argv) job and check that it was killed there."""
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    result = subprocess.run([sys.executable, str(script), json.dumps(jobs)], env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    statuses = json.loads(result.stdout.strip().splitlines()[-1])
+    for (name, at, _), status in zip(jobs, statuses, strict=True):
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (name, at, status,
+                                                                                  result.stderr[-500:])
+
+
+def counting(monkeypatch, run) -> dict[str, int]:
+    """Run `run()` in this process; how often it called each function the killer can patch."""
+    calls = {"os.replace": 0, "os.fsync": 0, "shutil.rmtree": 0}
+    for name in calls:
+        module, attr = (shutil, "rmtree") if name == "shutil.rmtree" else (os, name[3:])
+        original = getattr(module, attr)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, counted)
+    run()
+    monkeypatch.undo()
+    return calls
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def tiny_yaml(tmp_path: Path, **train_overrides) -> Path:
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "steps": 3, "checkpoint_every": 3,
+                                                     "threads": 1, **train_overrides}}))
+    return cfg
+
+
+# ---------------------------------------------------------------- crash tests
+
+
+@pytest.mark.slow
+def test_eval_killed_at_every_publish_step_leaves_old_or_new(tmp_path, monkeypatch):
+    train(experiment(steps=3, checkpoint_every=3), tmp_path / "run", progress=False)
+    base = ["eval", "--checkpoint", str(tmp_path / "run"), "--demos", "2", "--residue-modulus", "4", "--stride",
+            "4", "--no-progress", "--force", "--out"]
+    assert main(base + [str(tmp_path / "old")]) == 0  # the old, complete output
+    old = snapshot(tmp_path / "old")
+    calls = counting(monkeypatch, lambda: main(base + [str(tmp_path / "new"), "--seed", "1"]))
+    new = snapshot(tmp_path / "new")
+    assert old != new and set(old) == set(new) == {"metrics.json", "predictions.jsonl", "accuracy_by_residue.png"}
+    # replacing an old --out: two renames and one removal in publish; fsyncs of files, then of directories
+    points = [("os.replace", 1), ("os.replace", 2), ("shutil.rmtree", 1), ("os.fsync", 1),
+              ("os.fsync", calls["os.fsync"])]
+    outs = [tmp_path / f"ev-{fn}-{at}" for fn, at in points]
+    for out in outs:
+        shutil.copytree(tmp_path / "old", out)
+    killed_runs(tmp_path, [(fn, at, base + [str(out), "--seed", "1"]) for (fn, at), out in zip(points, outs)])
+    for point, out in zip(points, outs, strict=True):
+        outputs_mod.recover(out)  # what the next command does first (check_output_dir)
+        assert snapshot(out) in (old, new), point
+
+
+@pytest.mark.slow
+def test_train_killed_at_every_save_step_resumes_to_a_complete_final(tmp_path, monkeypatch):
+    cfg = tiny_yaml(tmp_path)
+    calls = counting(monkeypatch, lambda: train(Experiment.from_file(cfg), tmp_path / "ref", progress=False))
+    reference = (tmp_path / "ref" / "final" / "model.safetensors").read_bytes()
+    # config.json, metrics.jsonl, the checkpoint, its gate snapshot, latest, final/
+    assert calls["os.replace"] == 6
+    points = range(1, calls["os.replace"] + 1)
+    killed_runs(tmp_path, [("os.replace", at, ["train", str(cfg), "--out", str(tmp_path / f"run-{at}"),
+                                               "--no-progress"]) for at in points])
+    for at in points:
+        run = tmp_path / f"run-{at}"
+        train(Experiment.from_file(cfg), run, resume=True, progress=False)
+        assert (run / "final" / "model.safetensors").read_bytes() == reference, at
+        assert json.loads((run / "final" / "config.json").read_text())["train"]["steps"] == 3
+        assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+
+def test_kill_while_final_is_replaced_on_a_longer_resume(tmp_path):
+    """A run resumed with more steps replaces final/; killed inside that publish (or just before),
+    resume must not keep the shorter run's final."""
+    cfg = tiny_yaml(tmp_path)
+    train(Experiment.from_file(cfg), tmp_path / "run", progress=False)
+    longer = Experiment.from_file(cfg, ["train.steps=6"])
+    original = outputs_mod.os.replace
+    calls = []
+
+    def dies_replacing_final(src, dst):
+        calls.append(dst)
+        if Path(dst).name == "final":
+            raise KeyboardInterrupt  # final.old exists, final does not
+        return original(src, dst)
+
+    outputs_mod.os.replace = dies_replacing_final
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(longer, tmp_path / "run", resume=True, progress=False)
+    finally:
+        outputs_mod.os.replace = original
+    assert not (tmp_path / "run" / "final").exists() and (tmp_path / "run" / "final.old").is_dir()
+    train(longer, tmp_path / "run", resume=True, progress=False)
+    final, last = (load_file(str(tmp_path / "run" / d / "model.safetensors"))
+                   for d in ("final", "checkpoints/step_000006"))
+    assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["train"]["steps"] == 6
+    assert all(torch.equal(final[k], last[k].to(final[k].dtype)) for k in last)
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint(tmp_path):
+    cfg = tiny_yaml(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**Experiment.from_file(cfg).tree}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    train(Experiment.from_file(cfg), run, resume=True, progress=False)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3] and (run / "final" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- resume verification
+
+
+def drop_a_tensor(checkpoint: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights.pop(sorted(weights)[0])
+    save_file(weights, str(checkpoint / "model.safetensors"))
+
+
+def test_checkpoint_missing_a_tensor_falls_back_to_the_previous_one(tmp_path, caplog):
+    run = tmp_path / "r"
+    train(experiment(), run, progress=False)
+    drop_a_tensor(run / "checkpoints" / "step_000006")
+    with caplog.at_level(logging.WARNING):
+        train(experiment(steps=7), run, resume=True, progress=False)
+    assert "missing" in caplog.text and "resuming from step_000003" in caplog.text
+
+
+def test_checkpoint_missing_a_tensor_is_refused(tmp_path):
+    run = tmp_path / "r"
+    train(experiment(steps=3, checkpoint_every=3), run, progress=False)
+    drop_a_tensor(run / "checkpoints" / "step_000003")
+    with pytest.raises(ValueError, match="no readable checkpoint.*missing"):
+        train(experiment(steps=4, checkpoint_every=3), run, resume=True, progress=False)
+
+
+def test_resume_refuses_changed_model_and_seed_but_allows_steps(tmp_path):
+    cfg = tiny_yaml(tmp_path)
+    train(Experiment.from_file(cfg), tmp_path / "r", progress=False)
+    with pytest.raises(ValueError, match=r"model\.window") as info:
+        train(Experiment.from_file(cfg, ["model.window=16", "model.stride=4"]), tmp_path / "r", resume=True,
+              progress=False)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"train\.seed"):
+        train(Experiment.from_file(cfg, ["train.seed=7"]), tmp_path / "r", resume=True, progress=False)
+    train(Experiment.from_file(cfg, ["train.steps=4"]), tmp_path / "r", resume=True, progress=False)
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["train"]["steps"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "r")] == [1, 2, 3, 4]
+
+
+def test_cli_resume_with_changed_window_is_one_line(tmp_path):
+    cfg = tiny_yaml(tmp_path)
+    train(Experiment.from_file(cfg), tmp_path / "r", progress=False)
+    result = subprocess.run([sys.executable, "-m", "phasekv.cli", "train", str(cfg), "--out", str(tmp_path / "r"),
+                             "--resume", "--set", "model.window=16", "--no-progress"], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "model.window" in result.stderr
+
+
+def test_torn_metrics_line_is_dropped_and_resume_works(tmp_path, caplog):
+    run = tmp_path / "r"
+    train(experiment(steps=3, checkpoint_every=3), run, progress=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "los')
+    with caplog.at_level(logging.WARNING):
+        train(experiment(steps=5, checkpoint_every=3), run, resume=True, progress=False)
+    assert "torn" in caplog.text
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+    run = tmp_path / "r"
+    train(experiment(), run, progress=False)
+    path = run / "checkpoints" / "step_000006" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        train(experiment(steps=7), run, resume=True, progress=False)
+    assert "resuming from step_000003" in caplog.text
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 8))
+
+
+def test_corrupt_trainer_state_everywhere_leaves_metrics_untouched(tmp_path):
+    run = tmp_path / "r"
+    train(experiment(), run, progress=False)
+    for ck in (run / "checkpoints").iterdir():
+        (ck / "trainer_state.json").write_text("{broken")
+    before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="no readable checkpoint"):
+        train(experiment(steps=7), run, resume=True, progress=False)
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["../../etc", "/etc", "step_000003/../../x"])
+def test_latest_outside_the_run_is_refused(tmp_path, name):
+    run = tmp_path / "r"
+    train(experiment(steps=3, checkpoint_every=3), run, progress=False)
+    (run / "latest").write_text(name + "\n")
+    with pytest.raises(ValueError, match="latest"):
+        train(experiment(steps=4, checkpoint_every=3), run, resume=True, progress=False)
+
+
+def test_out_holding_only_metrics_is_refused_and_untouched(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    for resume in (False, True):
+        with pytest.raises(ValueError, match="not an empty directory"):
+            train(experiment(steps=3, checkpoint_every=3), run, resume=resume, progress=False)
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n' and len(list(run.iterdir())) == 1
+
+
+def test_publish_fsyncs(tmp_path, monkeypatch):
+    synced = []
+    original = os.fsync
+    monkeypatch.setattr(outputs_mod.os, "fsync", lambda fd: synced.append(fd) or original(fd))
+    with outputs_mod.output_dir(tmp_path / "out") as tmp:
+        (tmp / "a.json").write_text("{}")
+        (tmp / "b.txt").write_text("x")
+    assert len(synced) >= 4  # two files, the new directory, its parent after the rename
+    synced.clear()
+    train(experiment(steps=3, checkpoint_every=3), tmp_path / "run", progress=False)
+    assert len(synced) >= 10
+
+
+def test_kill_while_pruning_an_old_checkpoint(tmp_path, monkeypatch):
+    import phasekv.train as train_mod
+
+    run = tmp_path / "r"
+    original = shutil.rmtree
+
+    def dies_after_one_file(path, *args, **kwargs):
+        next(Path(path).iterdir()).unlink()  # half deleted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod.shutil, "rmtree", dies_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        train(experiment(keep_checkpoints=1), run, progress=False)
+    monkeypatch.setattr(train_mod.shutil, "rmtree", original)
+    assert (run / "checkpoints" / "step_000003.deleting").is_dir()
+    assert train_mod._kept_checkpoints(run) == [run / "checkpoints" / "step_000006"]
+    train(experiment(keep_checkpoints=1, steps=9), run, resume=True, progress=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000009"]
