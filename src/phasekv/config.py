@@ -160,7 +160,7 @@ _OPTIONS: dict[str, type[CompressorOptions]] = {}  # filled by phasekv.compressi
 
 
 def register_options(name: str, options: type[CompressorOptions]) -> None:
-    options.section = f"model.{name}"
+    options.section = f"model.compressors.{name}"  # the field's path in config.json
     _OPTIONS[name] = options
 
 
@@ -192,7 +192,10 @@ def route_compressor_keys(data: dict[str, Any]) -> dict[str, Any]:
         used = [k for k in kinds if k in owners]
         if used:
             for kind in used:
-                nested.setdefault(kind, {}).setdefault(key, data[key])
+                options = nested.setdefault(kind, {})
+                if isinstance(options, dict) and options.setdefault(key, data[key]) != data[key]:
+                    raise ValueError(f"model.{key}: {_short(data[key])} conflicts with model.compressors.{kind}."
+                                     f"{key}={_short(options[key])}; give it in one place")
         elif not owners:
             raise ValueError(f"model.{key}: unknown key; known keys: {sorted(own)}")
     if nested:

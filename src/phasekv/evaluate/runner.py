@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import summarize, task_verdict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.evaluation import plot_accuracy_by_residue
-from phasekv.outputs import output_dir
+from phasekv.outputs import check_output_dir, output_dir
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,19 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
     return metrics
 
 
+def check_out_creatable(out: Path, force: bool) -> None:
+    """Refuse, before computing, an --out that `output_dir` would refuse or could not create: a file,
+    a non-empty directory without `force`, or a path under a file or a directory we may not write."""
+    check_output_dir(out, force)
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot be created, {parent} is not writable")
+
+
 def run_eval(source: Source, cfg: EvalConfig, out: str | Path, force: bool = False,
              progress: bool = True) -> dict[str, Any]:
     """`phasekv eval`: evaluate `source` as `cfg` says and publish OUT atomically (metrics.json,
@@ -130,9 +144,7 @@ def run_eval(source: Source, cfg: EvalConfig, out: str | Path, force: bool = Fal
     dd = distributed.setup(cfg.device)
     try:
         if dd.main:
-            from phasekv.outputs import check_output_dir
-
-            check_output_dir(Path(out), force)  # before any compute
+            check_out_creatable(Path(out), force)  # before any compute
         adapter, eval_set = open_source(source, dataclasses.replace(cfg, device=str(dd.device)))
         shard = dataclasses.replace(eval_set, contexts=eval_set.contexts[dd.rank::dd.world])
         records = predict(adapter, shard, batch_size(source, cfg), not cfg.one_by_one,
