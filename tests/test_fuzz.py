@@ -311,10 +311,37 @@ CASES = [
     Case("ck-hidden-int-huge", EVAL_CK, "model.hidden_size: must be <=", set_model(hidden_size=10 ** 9)),
     Case("ck-too-big-for-memory", EVAL_CK, "GiB of memory is available",
          set_model(vocab_size=1 << 22, hidden_size=1 << 16)),
+    Case("ck-qwen3-too-big-for-memory", EVAL_CK, "GiB of memory is available",
+         edit_config(lambda t: t.update(model={"model_type": "qwen3", "vocab_size": 256, "hidden_size": 1 << 16,
+                                               "intermediate_size": 1 << 22, "num_hidden_layers": 8}))),
+    Case("ck-qwen3-hidden-abc", EVAL_CK, "expected int, got str",
+         edit_config(lambda t: t.update(model={"model_type": "qwen3", "vocab_size": 256, "hidden_size": "abc"}))),
+    Case("ck-qwen3-unknown-field", EVAL_CK, "model.windw: not a field",
+         edit_config(lambda t: t.update(model={"model_type": "qwen3", "windw": 3}))),
     Case("ck-unknown-model-key", EVAL_CK, "model.windw: unknown key", set_model(windw=8)),
     Case("ck-model-type-unknown", EVAL_CK, "no model type", set_model(model_type="nonesuch")),
     Case("ck-eval-section-bad", EVAL_CK, "eval.stride: must be >= 1",
          edit_config(lambda t: t.update(eval={"stride": 0}))),
+    Case("ck-eval-section-list", EVAL_CK, "eval section must be a mapping", edit_config(lambda t: t.update(eval=[4]))),
+    Case("ck-eval-section-typo", EVAL_CK, "eval.strde: unknown key", edit_config(lambda t: t["eval"].update(strde=4))),
+    Case("ck-vocab-string", EVAL_CK, "vocab", edit_config(lambda t: t.update(vocab="abc"))),
+    Case("ck-vocab-groups-int", EVAL_CK, "vocab", edit_config(lambda t: t.update(vocab={"groups": 5}))),
+    Case("ck-vocab-groups-empty", EVAL_CK, "vocab", edit_config(lambda t: t.update(vocab={"groups": {}}))),
+    Case("ck-vocab-word-int", EVAL_CK, "vocab is malformed",
+         edit_config(lambda t: t["vocab"]["groups"].update(keys=[1, 2, 3]))),
+    Case("ck-data-string", EVAL_CK, "data: section must be a mapping", edit_config(lambda t: t.update(data="abc"))),
+    Case("ck-data-records-string", EVAL_CK, "data.n_records: must be an integer",
+         edit_config(lambda t: t["data"].update(n_records="x"))),
+    Case("ck-layer-types-string", EVAL_CK, "model.layer_types", set_model(layer_types="gated")),
+    Case("ck-layer-types-ints", EVAL_CK, "model.layer_types", set_model(layer_types=[1, 2])),
+    Case("ck-compressors-int", EVAL_CK, "model.compressors", set_model(compressors={"gated": 5})),
+    Case("ck-compressors-list", EVAL_CK, "model.compressors", set_model(compressors=[])),
+    Case("ck-model-string", EVAL_CK, "model", edit_config(lambda t: t.update(model="abc"))),
+    Case("ck-max-positions-tiny", EVAL_CK, "exceeds the model's context (8 tokens)",
+         set_model(max_position_embeddings=8)),
+    Case("ck-vocab-size-tiny", EVAL_CK, "lm_head.weight has shape (256, 32)", set_model(vocab_size=8)),
+    Case("ck-vocab-too-many-words", EVAL_CK, "only 256 token ids",
+         edit_config(lambda t: t["vocab"]["groups"]["background"].extend(f"w{i}" for i in range(300)))),
     Case("ck-no-vocab", EVAL_CK, "no 'vocab'", edit_config(lambda t: t.pop("vocab"))),
     Case("ck-config-empty", EVAL_CK, "not valid JSON", config_text("")),
     Case("ck-config-list", EVAL_CK, "no 'model' section", config_text("[1, 2]")),
@@ -388,10 +415,12 @@ def out_of(argv: list[str]) -> Path | None:
 
 
 def check_one_line(code: int, err: str, out: str, expected_code: int = 2) -> str:
+    """The one line stderr shows on a terminal (an erased progress bar leaves only '\r' behind)."""
     assert code == expected_code, err
     assert "Traceback" not in err + out
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
+    lines = [line.split("\r")[-1] for line in err.split("\n")]
+    lines = [line for line in lines if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("phasekv"), err
     return lines[0]
 
 
@@ -479,21 +508,29 @@ def test_eval_honours_the_checkpoint_eval_section_and_flags_override(ws: Path):
 def _run(argv: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "phasekv.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+                            stderr=subprocess.PIPE, **kwargs)
 
 
-@pytest.mark.parametrize("case_id", ["train-lr-abc", "hf-pickled-bin", "ck-weights-nan", "train-yaml-deep"])
+def _communicate(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """(stdout, stderr) as written: bytes decoded without turning '\r' into a line break."""
+    out, err = proc.communicate(timeout=timeout)
+    return out.decode(errors="replace"), err.decode(errors="replace")
+
+
+@pytest.mark.parametrize("case_id", ["train-lr-abc", "hf-pickled-bin", "ck-weights-nan", "ck-nan-logits",
+                                     "train-yaml-deep"])
 def test_bad_input_in_a_real_process(case_id: str, ws: Path):
-    """What reaches the real stderr (warnings, progress bars of libraries) is still one line."""
+    """What reaches the real stderr (logging, warnings, progress bars) is still one line; progress
+    bars are on, as for a user who does not pass --no-progress."""
     case = next(c for c in CASES if c.id == case_id)
     c = ws / "cases" / f"process-{case_id}"
     c.mkdir()
     if case.setup:
         case.setup(ws, c)
-    argv = argv_of(case, ws, c)
+    argv = [a for a in argv_of(case, ws, c) if a != "--no-progress"]
     before = snapshot(ws)
     proc = _run(argv, cwd=ws / "cwd")
-    out, err = proc.communicate(timeout=120)
+    out, err = _communicate(proc)
     assert case.match in check_one_line(proc.returncode, err, out)
     assert snapshot(ws) == before
 
@@ -509,7 +546,7 @@ def test_ctrl_c_exits_130_with_one_line(ws: Path):
             break
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = _communicate(proc, timeout=60)
     assert "interrupted" in check_one_line(proc.returncode, err, out, expected_code=130)
 
 
@@ -531,3 +568,27 @@ class _Evil:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.path),))
+
+
+# ----------------------------------------------------------------------------- known gaps (train.py)
+
+
+@pytest.mark.xfail(strict=True, reason="train._load_resume_point logs a warning per unreadable checkpoint "
+                                       "before failing, so stderr has several lines")
+def test_resume_without_readable_checkpoint_in_a_real_process(ws: Path):
+    c = ws / "cases" / "process-resume"
+    c.mkdir()
+    run_copy(trainer_state(step="abc"))(ws, c)
+    proc = _run(["train", str(ws / "tiny.yaml"), "--out", str(c / "out"), "--resume", "--set", "train.steps=4"])
+    out, err = _communicate(proc)
+    assert "no readable checkpoint" in check_one_line(proc.returncode, err, out)
+
+
+@pytest.mark.xfail(strict=True, reason="train.check_resume_config compares whole sections' values and names "
+                                       "model.compressors, not the nested field that differs")
+def test_resume_names_the_nested_field(ws: Path, capsys):
+    c = ws / "cases" / "resume-nested"
+    c.mkdir()
+    run_copy()(ws, c)
+    code = main(["train", str(ws / "tiny.yaml"), "--out", str(c / "out"), "--resume", "--set", "model.window=16"])
+    assert "model.compressors.gated.window" in check_one_line(code, capsys.readouterr().err, "")

@@ -346,9 +346,9 @@ class TransformersModelConfig:
             raise ValueError(f"model.{unknown[0]}: not a field of transformers' {cls.__name__}")
         try:
             hf = cls(**self.fields)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - transformers and huggingface_hub raise their own types
             raise ValueError(f"model: transformers' {cls.__name__} rejects these fields "
-                             f"({str(exc).splitlines()[0]})") from None
+                             f"({' '.join(str(exc).split())[:200]})") from None
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
             value = getattr(hf.get_text_config() if hasattr(hf, "get_text_config") else hf, name, 1)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= (1 << 24):
