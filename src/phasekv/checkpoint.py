@@ -106,7 +106,8 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str | Path) -> None:
-    """Load `state` into `model` strictly: the same names (tied weights stored once) and shapes."""
+    """Load `state` into `model` strictly: the same names (tied weights stored once) and shapes, and
+    finite values only (a NaN weight would make every later number meaningless)."""
     expected = _state_dict_for_saving(model, None)
     if set(state) != set(expected):
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -116,6 +117,9 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: 
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"checkpoint {where}: weight {name} has shape {tuple(tensor.shape)}, the config "
                              f"needs {tuple(expected[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"checkpoint {where}: weight {name} holds non-finite values (NaN or inf); the "
+                             "checkpoint is corrupted or its training diverged")
     dtype = next(iter(expected.values())).dtype if expected else torch.float32
     # strict=False only for the tied aliases _state_dict_for_saving leaves out (checked above)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)

@@ -160,7 +160,7 @@ _OPTIONS: dict[str, type[CompressorOptions]] = {}  # filled by phasekv.compressi
 
 
 def register_options(name: str, options: type[CompressorOptions]) -> None:
-    options.section = f"model.{name}"
+    options.section = f"model.compressors.{name}"  # the field's path in config.json
     _OPTIONS[name] = options
 
 
@@ -192,7 +192,10 @@ def route_compressor_keys(data: dict[str, Any]) -> dict[str, Any]:
         used = [k for k in kinds if k in owners]
         if used:
             for kind in used:
-                nested.setdefault(kind, {}).setdefault(key, data[key])
+                options = nested.setdefault(kind, {})
+                if isinstance(options, dict) and options.setdefault(key, data[key]) != data[key]:
+                    raise ValueError(f"model.{key}: {_short(data[key])} conflicts with model.compressors.{kind}."
+                                     f"{key}={_short(options[key])}; give it in one place")
         elif not owners:
             raise ValueError(f"model.{key}: unknown key; known keys: {sorted(own)}")
     if nested:
@@ -343,9 +346,9 @@ class TransformersModelConfig:
             raise ValueError(f"model.{unknown[0]}: not a field of transformers' {cls.__name__}")
         try:
             hf = cls(**self.fields)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - transformers and huggingface_hub raise their own types
             raise ValueError(f"model: transformers' {cls.__name__} rejects these fields "
-                             f"({str(exc).splitlines()[0]})") from None
+                             f"({' '.join(str(exc).split())[:200]})") from None
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
             value = getattr(hf.get_text_config() if hasattr(hf, "get_text_config") else hf, name, 1)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= (1 << 24):

@@ -9,9 +9,16 @@ runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` ser
   transformers  any transformers causal LM from a `TransformersModelConfig` (`model_type` plus that
                 config class's fields, e.g. Qwen3ForCausalLM); transformers' classes are used as
                 they are, never re-implemented
+
+`build` first checks that the weights fit in memory (`check_fits`): the model is built once on the
+`meta` device (no storage) and its parameters counted, so an absurd config is refused in one line
+instead of being allocated until the machine swaps or the kernel kills the process.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,13 +29,58 @@ from phasekv.model import PhaseKVForCausalLM, build_model
 ModelConfigLike = ModelConfig | TransformersModelConfig
 
 
-def build(config: ModelConfigLike) -> nn.Module:
-    """A freshly initialized causal LM of either family (seed torch first for reproducible weights)."""
+GIB = 1 << 30
+
+
+def _build(config: Any) -> nn.Module:
+    """A model from a ModelConfig, a TransformersModelConfig or a transformers config object."""
     if isinstance(config, ModelConfig):
         return build_model(config)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config.to_hf())
+    return AutoModelForCausalLM.from_config(config.to_hf() if isinstance(config, TransformersModelConfig) else config)
+
+
+def build(config: ModelConfigLike) -> nn.Module:
+    """A freshly initialized causal LM of either family (seed torch first for reproducible weights)."""
+    check_fits(config)
+    return _build(config)
+
+
+def weight_bytes(config: Any, bytes_per_value: int = 4) -> int:
+    """Bytes of the model's parameters and buffers (float32 by default), counted without allocating:
+    the model is built on the meta device, so every family and compressor is counted exactly.
+    `config`: a ModelConfig, a TransformersModelConfig or a transformers config object."""
+    with torch.device("meta"):
+        model = _build(config)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() for t in tensors) * bytes_per_value
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation: MemAvailable of /proc/meminfo, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62  # unknown: do not refuse
+
+
+def check_fits(config: Any, copies: float = 1.0, available: int | None = None, bytes_per_value: int = 4) -> None:
+    """Refuse, before anything is allocated, a model whose weights (times `copies`, e.g. 4 for weights,
+    gradients and two AdamW moments) would not fit in the available memory."""
+    need = weight_bytes(config, bytes_per_value) * copies
+    have = available_memory() if available is None else available
+    if need > have:
+        raise ValueError(f"model: needs about {need / GIB:.1f} GiB for its weights, only {have / GIB:.1f} GiB of "
+                         "memory is available; use smaller sizes (hidden_size, intermediate_size, "
+                         "num_hidden_layers, vocab_size)")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -82,6 +82,13 @@ def check_output_dir(out: Path, force: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ValueError(f"--out {out}: exists and is not empty; pass --force to replace it or choose a new "
                          "directory")
+    parent = out.absolute().parent  # the nearest existing ancestor must be a writable directory
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot be created, {parent} is not writable")
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import torch
 from phasekv.data.vocab import _BASE, _words
 from phasekv.distributed import resolve_device
 from phasekv.evaluate.adapter import HFAdapter
+from phasekv.families import check_fits
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -75,21 +76,39 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
 
     device_map="auto" spreads a large model over the available GPUs (needs `accelerate`)."""
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise ValueError(f"--hf needs transformers ({exc})") from None
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
     device = resolve_device(device)
-    kwargs = {"dtype": getattr(torch, dtype)}
+    local = Path(path).expanduser()
+    if (local.is_absolute() or path.startswith((".", "~"))) and not local.exists():
+        raise ValueError(f"--hf {path}: no such directory")  # a path, not a hub name
+    if local.is_dir() and not any(local.glob("*.safetensors")) and any(local.glob("*.bin")):
+        raise ValueError(f"--hf {path}: holds only pickled .bin weights; phasekv loads safetensors only (pickle "
+                         "can run code): convert the weights to model.safetensors")
+    # safetensors only: never unpickle weights, not even with torch's weights_only loader
+    kwargs = {"dtype": getattr(torch, dtype), "use_safetensors": True}
     if device_map:
         kwargs["device_map"] = device_map
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+    if not device_map:  # a device map spreads the weights over GPUs: accelerate checks what fits
+        check_fits(hf_config, bytes_per_value=torch.finfo(kwargs["dtype"]).bits // 8)
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
     if not device_map:
         model = model.to(device)
     name = Path(path).name or str(path)
     return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

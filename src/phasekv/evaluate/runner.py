@@ -51,32 +51,34 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
     """One record per query, in `eval_set.queries()` order: position metadata, prediction, correct."""
     adapter.check_length(eval_set.prompt_length)
     preds: list[int] = []
+    # the bars are closed (and, with leave=False, erased) even when an error stops the loop, so the
+    # error is the only line left on the terminal
     if multi_query:
         contexts = eval_set.contexts
-        bar = tqdm(total=len(eval_set.queries()), desc=desc, unit="prompt", disable=not progress, leave=False)
         # contexts of one batch must share their number of queries and key length
         groups: dict[tuple[int, int], list[int]] = {}
         for i, c in enumerate(contexts):
             groups.setdefault((len(c.queries), len(c.queries[0].key)), []).append(i)
         by_context: dict[int, list[int]] = {}
-        for (n_q, _), members in groups.items():
-            per_batch = max(1, batch_size // n_q) if n_q <= batch_size else 1
-            for chunk in _batches(members, per_batch):
-                ids = torch.tensor([contexts[i].ids for i in chunk])
-                cache = adapter.prefill(ids)
-                qids = torch.tensor([list(q.key) for i in chunk for q in contexts[i].queries])
-                top = _top1(adapter.continue_from(cache, qids, n_q))
-                for j, i in enumerate(chunk):
-                    by_context[i] = top[j * n_q:(j + 1) * n_q]
-                bar.update(len(qids))
-        bar.close()
+        with tqdm(total=len(eval_set.queries()), desc=desc, unit="prompt", disable=not progress,
+                  leave=False) as bar:
+            for (n_q, _), members in groups.items():
+                per_batch = max(1, batch_size // n_q) if n_q <= batch_size else 1
+                for chunk in _batches(members, per_batch):
+                    ids = torch.tensor([contexts[i].ids for i in chunk])
+                    cache = adapter.prefill(ids)
+                    qids = torch.tensor([list(q.key) for i in chunk for q in contexts[i].queries])
+                    top = _top1(adapter.continue_from(cache, qids, n_q))
+                    for j, i in enumerate(chunk):
+                        by_context[i] = top[j * n_q:(j + 1) * n_q]
+                    bar.update(len(qids))
         preds = [p for i in range(len(contexts)) for p in by_context[i]]
     else:
-        prompts = eval_set.prompts()
-        for chunk in tqdm(list(_batches(prompts, batch_size)), desc=desc, unit="batch", disable=not progress,
-                          leave=False):
-            ids = torch.tensor([p.ids for p in chunk])
-            preds.extend(_top1(adapter.logits(ids)))
+        chunks = list(_batches(eval_set.prompts(), batch_size))
+        with tqdm(total=len(chunks), desc=desc, unit="batch", disable=not progress, leave=False) as bar:
+            for chunk in chunks:
+                preds.extend(_top1(adapter.logits(torch.tensor([p.ids for p in chunk]))))
+                bar.update()
     records = []
     for q, pred in zip(eval_set.queries(), preds, strict=True):
         records.append({"target_position": q.target_position, "residue": q.residue, "phase": q.phase,

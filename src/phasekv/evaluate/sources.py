@@ -9,13 +9,12 @@ unset (`eval_config`); the paper's 64 records + 8 demonstrations is the default 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from phasekv.checkpoint import load_checkpoint, read_experiment
-from phasekv.config import EvalConfig, from_section
+from phasekv.config import DataConfig, EvalConfig, from_section
 from phasekv.data.protocols import EvalSet, build_eval_set
 from phasekv.data.vocab import Vocabulary
 from phasekv.distributed import resolve_device
@@ -42,27 +41,35 @@ def eval_config(source: Source, given: dict[str, Any]) -> EvalConfig:
     base: dict[str, Any] = {}
     if source.checkpoint is not None:
         saved = read_experiment(source.checkpoint).get("eval")
-        if isinstance(saved, dict):
-            names = {f.name for f in dataclasses.fields(EvalConfig)}
-            base = {k: v for k, v in saved.items() if k in names}
+        if saved is not None and not isinstance(saved, dict):
+            raise ValueError(f"checkpoint {source.checkpoint}: config.json's eval section must be a mapping, "
+                             f"got {type(saved).__name__}")
+        base = saved or {}
     return from_section(EvalConfig, {**base, **given}, "eval")
 
 
 def checkpoint_eval_defaults(path: str | Path) -> dict[str, Any]:
     """Eval-set settings that test a checkpoint in distribution (from its training data)."""
     tree = read_experiment(path)
-    data = tree.get("data", {})
     if "vocab" not in tree:
         raise ValueError(f"checkpoint {path}: config.json has no 'vocab' (not written by phasekv train)")
-    return {"vocab": Vocabulary.from_dict(tree["vocab"]), "n_records": data.get("n_records", 64),
-            "key_tokens": data.get("key_tokens", 1), "value_tokens": data.get("value_tokens", 1),
-            "local_window": tree["model"].get("local_window", data.get("local_window", 16))}
+    data = from_section(DataConfig, tree.get("data"), "data")
+    try:
+        vocab = Vocabulary.from_dict(tree["vocab"])
+    except (TypeError, AttributeError, KeyError) as exc:  # a hand-edited vocab of the wrong shape
+        raise ValueError(f"checkpoint {path}: config.json's vocab is malformed ({exc})") from None
+    return {"vocab": vocab, "n_records": data.n_records, "key_tokens": data.key_tokens,
+            "value_tokens": data.value_tokens,
+            "local_window": tree["model"].get("local_window", data.local_window)}
 
 
 def open_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Adapter, dict[str, Any]]:
     """The adapter of a checkpoint of either family, and its in-distribution eval defaults (vocab included)."""
     defaults = checkpoint_eval_defaults(path)
-    model, _ = load_checkpoint(path, device=resolve_device(device))
+    model, config = load_checkpoint(path, device=resolve_device(device))
+    if defaults["vocab"].size > config.vocab_size:
+        raise ValueError(f"checkpoint {path}: its vocabulary has {defaults['vocab'].size} words but the model has "
+                         f"only {config.vocab_size} token ids (model.vocab_size)")
     return adapter_for(model, Path(path).resolve().name), defaults
 
 

@@ -1,0 +1,49 @@
+"""`phasekv audit --hf DIR [--gguf-file NAME] --format records --compress none select:3 mean --out OUT`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
+    p.add_argument("--hf", required=True, help="transformers causal LM: local directory (or hub name)")
+    p.add_argument("--gguf-file", help="load this GGUF file inside --hf (needs the gguf extra: make real-model)")
+    p.add_argument("--format", default="records", help="prompt format: records, records-names, bare, or a YAML file")
+    p.add_argument("--compress", nargs="+", default=["none", "select:3+keep-first:1", "mean+keep-first:1"],
+                   metavar="COND", help="conditions: none, select:r, mean, max-norm, each optionally "
+                                        "+keep-first:n (the attention sink)")
+    p.add_argument("--window", type=int, default=8, help="W: tokens per compressed entry")
+    p.add_argument("--stride", type=int, default=8, help="S: a window starts every S tokens (phase = position mod S)")
+    p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
+    p.add_argument("--records", type=int, default=24, help="records per prompt")
+    p.add_argument("--demos", type=int, default=4, help="demonstrations per prompt")
+    p.add_argument("--prompts-per-phase", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition runs)")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> dict[str, Any]:
+    from phasekv.evaluate.hf import load_hf
+    from phasekv.outputs import check_output_dir
+    from phasekv.report.audit import run_audit
+
+    for name in ("window", "stride", "records", "prompts_per_phase", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    from pathlib import Path
+
+    check_output_dir(Path(args.out), args.force)  # before loading anything
+    adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
+    summary = run_audit(adapter, tokenizer, args.out, args.format, tuple(args.compress), args.window, args.stride,
+                        args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
+                        args.batch_size, args.force, not args.no_progress)
+    for name, result in summary["conditions"].items():
+        print(f"{name:>24}  prefix: {result['prefix']['verdict']}")
+    return summary
