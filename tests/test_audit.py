@@ -47,7 +47,10 @@ def test_real_model_records_format_is_flat_uncompressed_and_periodic_under_selec
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
     model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)
     summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, tmp_path / "a",
-                        conditions=("select:3+keep-first:1",), prompts_per_phase=16, progress=False)
-    none = summary["conditions"]["none"]["prefix"]
-    assert summary["can_do_task"] and none["flatness_p"] > 0.01
-    assert summary["conditions"]["select:3+keep-first:1"]["prefix"]["detected_period"] == 8
+                        conditions=("select:3+keep-first:1",), prompts_per_phase=64, progress=False,
+                        protocols=("prefix",))
+    none, select = (summary["conditions"][c]["prefix"] for c in ("none", "select:3+keep-first:1"))
+    assert summary["can_do_task"] and none["mean_accuracy"] > 0.6 and none["flatness_p"] > 0.05
+    assert none["verdict"].startswith("no phase effect detected")
+    assert select["detected_period"] == 8 and select["max_gap_pp"] >= 25 and select["flatness_p"] < 0.01
+    assert select["verdict"].startswith("phase sensitive: period 8")

@@ -176,10 +176,9 @@ def _load_resume_point(run: Path, model, optimizer) -> int:
             _optimizer_from_tensors(optimizer, opt, state["optimizer"])
         except (ValueError, OSError, KeyError) as exc:
             errors.append(f"{ck.name}: {exc}")
-            log.warning("checkpoint %s is unreadable (%s); trying the previous one", ck, exc)
             continue
-        if ck != newest:
-            log.warning("resuming from %s: the newest checkpoint %s was unreadable", ck.name, newest.name)
+        if errors:  # warn only when a fallback succeeded; a total failure is the one error line below
+            log.warning("resuming from %s: newer checkpoints were unreadable (%s)", ck.name, "; ".join(errors)[:300])
         return state["step"]
     raise ValueError(f"--resume {run}: no readable checkpoint ({'; '.join(errors)[:300]})")
 
@@ -197,8 +196,8 @@ def check_resume_config(run: Path, exp: Experiment) -> None:
             if section == "train" and key[len("train."):] in TrainConfig.RESUMABLE:
                 continue
             if old.get(key) != new.get(key):
-                parts = key.split(".")  # model.compressors.NAME.OPTION is set as model.OPTION
-                name = f"model.{parts[3]} (compressor {parts[2]})" if parts[1:2] == ["compressors"] else key
+                parts = key.split(".")  # model.compressors.NAME.OPTION is usually set as model.OPTION
+                name = f"{key} (set as model.{parts[3]})" if parts[1:2] == ["compressors"] else key
                 raise ValueError(f"--resume: {name} is {new.get(key)!r} but the run was trained with "
                                  f"{old.get(key)!r}; only train.{', train.'.join(TrainConfig.RESUMABLE)} may change")
 
@@ -274,6 +273,7 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
                          f"{dd.world * cfg.grad_accum}")
     run = Path(out)
     vocab = Vocabulary.from_data_config(exp.data)
+    families.check_fits(exp.model, copies=4)  # weights, gradients and two AdamW moments
     torch.manual_seed(cfg.seed)
     model = families.build(exp.model)
     _check_trainable(model, exp, vocab)

@@ -211,7 +211,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
     _check_arguments(protocol, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=residue_modulus,
                      local_window=local_window, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
                      insequence_gap=insequence_gap)
-    header, tail = list(getattr(vocab, "header", ())), list(getattr(vocab, "tail", ()))
+    header, tail = list(vocab.header), list(vocab.tail)
     lead = 1 + len(header)  # <bos> and the format's header come before the first filler
     R = residue_modulus
     if R % stride:

@@ -79,6 +79,9 @@ class Vocabulary:
     `from_dict(to_dict())` restores exactly the same ids (a checkpoint stores its vocabulary as JSON).
     """
 
+    header: tuple[int, ...] = ()  # the synthetic task has no framing around its records
+    tail: tuple[int, ...] = ()
+
     def __init__(self, n_keys: int = 64, n_values: int = 64, n_fillers: int = 16, n_background: int = 64):
         sizes = {"keys": n_keys, "values": n_values, "fillers": n_fillers, "background": n_background}
         for name, n in sizes.items():

@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class TokenizerVocabulary:
-    """Groups of single-token words of a transformers tokenizer."""
+    """Groups of single-token words of a transformers tokenizer (the bare synthetic format: no framing)."""
+
+    header: tuple[int, ...] = ()  # no prose around the records (see phasekv.data.formats for framed prompts)
+    tail: tuple[int, ...] = ()
 
     def __init__(self, tokenizer, need: dict[str, int]):
         self.tokenizer = tokenizer
@@ -71,10 +74,12 @@ class TokenizerVocabulary:
 
 
 def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: str | None = None,
-            stride: int | None = None, local_window: int | None = None):
+            stride: int | None = None, local_window: int | None = None, gguf_file: str | None = None):
     """(HFAdapter, tokenizer) for a local directory or hub name (no download happens offline).
 
-    device_map="auto" spreads a large model over the available GPUs (needs `accelerate`)."""
+    device_map="auto" spreads a large model over the available GPUs (needs `accelerate`); `gguf_file`
+    loads that GGUF file inside `path` through transformers' GGUF support, dequantized to `dtype`
+    (needs the `gguf` extra: gguf + accelerate)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
@@ -85,16 +90,19 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
     local = Path(path).expanduser()
     if (local.is_absolute() or path.startswith((".", "~"))) and not local.exists():
         raise ValueError(f"--hf {path}: no such directory")  # a path, not a hub name
-    if local.is_dir() and not any(local.glob("*.safetensors")) and any(local.glob("*.bin")):
+    if gguf_file is not None and not (local / gguf_file).is_file():
+        raise ValueError(f"--gguf-file {gguf_file}: no such file in {path}")
+    if gguf_file is None and local.is_dir() and not any(local.glob("*.safetensors")) and any(local.glob("*.bin")):
         raise ValueError(f"--hf {path}: holds only pickled .bin weights; phasekv loads safetensors only (pickle "
                          "can run code): convert the weights to model.safetensors")
     # safetensors only: never unpickle weights, not even with torch's weights_only loader
-    kwargs = {"dtype": getattr(torch, dtype), "use_safetensors": True}
+    kwargs = {"dtype": getattr(torch, dtype), **({"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True})}
     if device_map:
         kwargs["device_map"] = device_map
+    source = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        hf_config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **source)
+        hf_config = AutoConfig.from_pretrained(path, **source)
     except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
         raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
     if not device_map:  # a device map spreads the weights over GPUs: accelerate checks what fits

@@ -85,7 +85,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
               conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
               window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
               prompts_per_phase: int = 64, seed: int = 0, batch_size: int = 16, force: bool = False,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS) -> dict[str, Any]:
     """Audit `adapter` (a transformers model) under each condition; publish OUT atomically."""
     if "none" not in conditions:
         conditions = ("none", *conditions)  # the capability gate always runs first
@@ -97,7 +97,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
         sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=stride,
                                   n_clusters=_clusters(prompts_per_phase, kt + vt, p, stride), key_tokens=kt,
                                   value_tokens=vt, local_window=local_window, seed=seed)
-                for p in PROTOCOLS}
+                for p in protocols}
         adapter.check_length(max(s.prompt_length for s in sets.values()))
         results: dict[str, Any] = {}
         for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
@@ -105,16 +105,17 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
             results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p,
                                                batch_size, seed, progress, condition != "none")
                                   for p, s in sets.items()}
-            results[condition]["notes"] = dict(getattr(cond_adapter, "notes", {}))
-            if condition == "none" and not results["none"]["prefix"]["can_do_task"]:
+            results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
+            if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
                 log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
                 break
         summary = {
             "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
-            "can_do_task": results["none"]["prefix"]["can_do_task"],
+            "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
             "settings": {"window": window, "stride": stride, "local_window": local_window, "n_records": n_records,
                          "n_demos": n_demos, "prompts_per_phase": prompts_per_phase, "seed": seed,
-                         "retokenization_agreement": vocab.retokenization_agreement(sets["prefix"].prompts()[0].ids)},
+                         "protocols": list(protocols), "retokenization_agreement":
+                             vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids)},
             "elapsed_s": round(time.perf_counter() - started, 1),
         }
         check_finite(summary)
@@ -146,9 +147,10 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
              f"{summary['settings']['stride']}); the last {summary['settings']['local_window']} tokens stay raw. "
              "Accuracy = top-1 of the answer's first token; chance = 1 / possible answer tokens.</p>"]
     if not summary["can_do_task"]:
-        parts.append(f"<p class='no'>{html.escape(conditions['none']['prefix']['verdict'])} with this format: "
+        first = summary["settings"]["protocols"][0]
+        parts.append(f"<p class='no'>{html.escape(conditions['none'][first]['verdict'])} with this format: "
                      "no compressed condition was evaluated.</p>")
-    for protocol in PROTOCOLS:
+    for protocol in summary["settings"]["protocols"]:
         parts.append(f"<h2>{protocol} padding</h2><table><tr><th>condition</th><th>mean %</th><th>chance %</th>"
                      "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
         for name, result in conditions.items():
