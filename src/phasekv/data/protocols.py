@@ -70,7 +70,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -246,35 +246,66 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
-    tag = _TAG[protocol]
     targets = _design_targets(R, g, pitch, rec, lead, first, starts, n_records, n_clusters, t, query_position,
-                              local_window, np.random.default_rng([seed, tag, _DESIGN]))
+                              local_window, np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
 
-    contexts = []
-    for c, target_records in enumerate(targets):
-        f = c % g
-        rng = np.random.default_rng([seed, tag, _CLUSTER, c])
-        keys, values = sample_records(rng, vocab, n_records, key_tokens, value_tokens)
-        others = np.setdiff1d(np.arange(n_records), target_records)
-        demos = rng.choice(others, size=n_demos, replace=False).tolist()
-        fillers = filler_tokens(rng, vocab, fillers_total)  # the same words, in order, at every shift
-        for s in range(R):
-            if protocol == "prefix":
-                gaps = [f + s] + [0] * (n_records - 1) + [fillers_total - f - s]
-            else:
-                gaps = _insequence_gaps(np.random.default_rng([seed, tag, _CONTEXT, c, s]), target_records,
-                                        n_records, f + s, gap, fillers_total)
-            layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, header, tail)
-            queries = []
-            for i in target_records:
-                pos = layout.record_positions[i]
-                if pos != lead + f + pitch * i + s or not outside_local_window(pos + rec - 1, query_position,
-                                                                             local_window):
-                    raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
-                queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % R, pos % stride, s, c,
-                                     protocol, i))
-            contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
+    geo = _Geometry(protocol, R, stride, g, gap, pitch, rec, lead, header, tail, fillers_total, query_position,
+                    local_window, n_records, n_demos, key_tokens, value_tokens, seed, _TAG[protocol])
+    contexts = [ctx for c, target_records in enumerate(targets)
+                for ctx in _cluster_contexts(vocab, geo, c, target_records)]
     return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings)
+
+
+class _Geometry(NamedTuple):
+    """The fixed layout of one prompt set (build_eval_set's derived quantities)."""
+
+    protocol: str
+    R: int
+    stride: int
+    g: int
+    gap: int
+    pitch: int
+    rec: int
+    lead: int
+    header: list[int]
+    tail: list[int]
+    fillers_total: int
+    query_position: int
+    local_window: int
+    n_records: int
+    n_demos: int
+    key_tokens: int
+    value_tokens: int
+    seed: int
+    tag: int
+
+
+def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) -> list[Context]:
+    """The R shifted contexts of cluster c (same records, fillers and demonstrations at every shift)."""
+    contexts = []
+    f = c % geo.g
+    rng = np.random.default_rng([geo.seed, geo.tag, _CLUSTER, c])
+    keys, values = sample_records(rng, vocab, geo.n_records, geo.key_tokens, geo.value_tokens)
+    others = np.setdiff1d(np.arange(geo.n_records), target_records)
+    demos = rng.choice(others, size=geo.n_demos, replace=False).tolist()
+    fillers = filler_tokens(rng, vocab, geo.fillers_total)  # the same words, in order, at every shift
+    for s in range(geo.R):
+        if geo.protocol == "prefix":
+            gaps = [f + s] + [0] * (geo.n_records - 1) + [geo.fillers_total - f - s]
+        else:
+            gaps = _insequence_gaps(np.random.default_rng([geo.seed, geo.tag, _CONTEXT, c, s]), target_records,
+                                    geo.n_records, f + s, geo.gap, geo.fillers_total)
+        layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, geo.header, geo.tail)
+        queries = []
+        for i in target_records:
+            pos = layout.record_positions[i]
+            placed = pos == geo.lead + f + geo.pitch * i + s
+            if not placed or not outside_local_window(pos + geo.rec - 1, geo.query_position, geo.local_window):
+                raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
+            queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % geo.R, pos % geo.stride, s,
+                                 c, geo.protocol, i))
+        contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
+    return contexts
 
 
 def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_records: int, lead: int,

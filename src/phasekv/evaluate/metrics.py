@@ -123,8 +123,8 @@ def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
     return period, {d: b - best for d, b in bic.items()}
 
 
-def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,
-              seed: int = 0, n_perm: int = 2000) -> dict:
+def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,  # long: the
+              seed: int = 0, n_perm: int = 2000) -> dict:  # metrics.json schema is one flat literal, read at a glance
     """All statistics of one evaluation as a JSON-ready dict of plain Python values (floats to 10 decimals).
 
     records: a sequence of mappings, or a mapping of parallel arrays, with at least the fields

@@ -121,16 +121,8 @@ def continuation_logprobs(adapter: Adapter, prompt: Sequence[int],
             for c in candidates]
 
 
-def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_ids: Sequence[int], filler_id: int,
-              text_ids: Sequence[int], a_ids: Sequence[int], b_ids: Sequence[int], max_filler: int,
-              out_dir: str | Path | None = None, progress: bool = True, max_period: int = 16) -> dict[str, Any]:
-    """Score a against b after prefix + n fillers + text for n = 0..max_filler (module docstring).
-
-    decode(ids) -> text labels the JSON and the figure.  Returns the sweep.json dict: settings,
-    `detected_period`, `period_scores`, `pattern`, `agreement` of `n_rankings`, and `per_length`
-    rows {filler, last_position, p_a, p_b, diff, logp_a, logp_b, choice}.  With `out_dir` writes
-    sweep.json and sweep.png there.
-    """
+def _check_sweep(adapter: Adapter, prefix_ids: list[int], filler_id: int, text_ids: list[int], a_ids: list[int],
+                 b_ids: list[int], max_filler: int) -> None:
     prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
     for name, ids in (("text", text_ids), ("a", a_ids), ("b", b_ids)):
         if not ids:
@@ -145,6 +137,20 @@ def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_i
         raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (size {V})")
     adapter.check_length(len(prefix_ids) + max_filler + len(text_ids) + max(len(a_ids), len(b_ids)) - 1)
 
+
+
+def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_ids: Sequence[int], filler_id: int,
+              text_ids: Sequence[int], a_ids: Sequence[int], b_ids: Sequence[int], max_filler: int,
+              out_dir: str | Path | None = None, progress: bool = True, max_period: int = 16) -> dict[str, Any]:
+    """Score a against b after prefix + n fillers + text for n = 0..max_filler (module docstring).
+
+    decode(ids) -> text labels the JSON and the figure.  Returns the sweep.json dict: settings,
+    `detected_period`, `period_scores`, `pattern`, `agreement` of `n_rankings`, and `per_length`
+    rows {filler, last_position, p_a, p_b, diff, logp_a, logp_b, choice}.  With `out_dir` writes
+    sweep.json and sweep.png there.
+    """
+    prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
+    _check_sweep(adapter, prefix_ids, filler_id, text_ids, a_ids, b_ids, max_filler)
     rows = []
     for n in tqdm(range(max_filler + 1), desc="sweep", unit="length", disable=not progress, leave=False):
         prompt = prefix_ids + [filler_id] * n + text_ids
