@@ -37,7 +37,7 @@ def _pct(x: float | None) -> str:
 def _table(models: dict[str, dict[str, Any]], protocol: str) -> str:
     head = ("<tr><th>model</th><th>val loss</th><th>mean %</th><th>worst residue %</th><th>gap pp</th>"
             "<th>gap 95% CI (cross-fit)</th><th>phase gap pp</th><th>period</th><th>flatness p</th>"
-            "<th>prompts</th></tr>")
+            "<th>prompts</th><th>verdict</th></tr>")
     rows = []
     for name, m in models.items():
         p = m[protocol]
@@ -48,7 +48,8 @@ def _table(models: dict[str, dict[str, Any]], protocol: str) -> str:
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{val}</td><td>{_pct(p['mean_accuracy'])}</td>"
                     f"<td>{_pct(worst)}</td><td>{p['max_gap_pp']:.1f}</td><td>{ci}</td>"
                     f"<td>{p['phase_gap_pp']:.1f}</td><td>{p['detected_period']}</td>"
-                    f"<td>{p['flatness_p']:.3g}</td><td>{p['n_prompts']}</td></tr>")
+                    f"<td>{p['flatness_p']:.3g}</td><td>{p['n_prompts']}</td>"
+                    f"<td>{html.escape(p.get('verdict', 'n/a'))}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 
