@@ -54,3 +54,22 @@ def test_real_model_records_format_is_flat_uncompressed_and_periodic_under_selec
     assert none["verdict"].startswith("no phase effect detected")
     assert select["detected_period"] == 8 and select["max_gap_pp"] >= 25 and select["flatness_p"] < 0.01
     assert select["verdict"].startswith("phase sensitive: period 8")
+
+
+def test_eval_and_audit_commands_take_a_format(tmp_path):
+    from phasekv.cli import main
+
+    tokenizer = bpe_tokenizer()
+    adapter = _tiny_llama(len(tokenizer))
+    model_dir = tmp_path / "model"
+    adapter.module.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["eval", "--hf", str(model_dir), "--format", "records", "--records", "24", "--demos", "2",
+                 "--stride", "8", "--residue-modulus", "8", "--clusters", "8", "--out", str(tmp_path / "eval"),
+                 "--no-progress"]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["verdict"].startswith("cannot do the task") and metrics["chance"] > 0.05
+    assert main(["audit", "--hf", str(model_dir), "--records", "24", "--demos", "2", "--prompts-per-phase", "1",
+                 "--compress", "none", "mean", "--out", str(tmp_path / "audit"), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    assert list(summary["conditions"]) == ["none"] and not summary["can_do_task"]

@@ -511,6 +511,8 @@ class EvalConfig:
     device: str = "auto"
     dtype: str = spec("float32", choices=("float32", "float16", "bfloat16", "float64"))
     device_map: str | None = None
+    format: str | None = None  # HF models: a prompt format (phasekv.data.formats) or YAML file; None: bare words
+    gguf_file: str | None = None  # HF models: a GGUF file inside the model directory
 
     def __post_init__(self) -> None:
         check_fields(self, "eval")

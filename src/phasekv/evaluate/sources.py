@@ -87,7 +87,13 @@ def open_model(source: Source, cfg: EvalConfig) -> tuple[Adapter, Any, dict[str,
         from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
 
         adapter, tokenizer = load_hf(source.hf, cfg.device, cfg.dtype, cfg.device_map, stride=cfg.stride,
-                                     local_window=cfg.local_window)
+                                     local_window=cfg.local_window, gguf_file=cfg.gguf_file)
+        if cfg.format is not None:
+            from phasekv.data.formats import FormatVocabulary, load_format
+
+            vocab = FormatVocabulary(load_format(cfg.format), tokenizer)
+            kt, vt = vocab.record_shape
+            return adapter, vocab, {**HF_DEFAULTS, "n_records": 24, "key_tokens": kt, "value_tokens": vt}
         n = cfg.records or HF_DEFAULTS["n_records"]
         vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, cfg.key_tokens or 1), "values": 16,
                                                 "fillers": 8})
