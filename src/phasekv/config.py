@@ -513,6 +513,7 @@ class EvalConfig:
     device_map: str | None = None
     format: str | None = None  # HF models: a prompt format (phasekv.data.formats) or YAML file; None: bare words
     gguf_file: str | None = None  # HF models: a GGUF file inside the model directory
+    threads: int = spec(0, low=0, high=1024)  # torch CPU threads (0: torch's default); 1 when runs share cores
 
     def __post_init__(self) -> None:
         check_fields(self, "eval")

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition runs)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     p.add_argument("--no-progress", action="store_true")
@@ -40,6 +41,12 @@ def run(args) -> dict[str, Any]:
     from pathlib import Path
 
     check_output_dir(Path(args.out), args.force)  # before loading anything
+    if args.threads < 0:
+        raise ValueError(f"--threads: must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
     summary = run_audit(adapter, tokenizer, args.out, args.format, tuple(args.compress), args.window, args.stride,
                         args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,

@@ -18,7 +18,7 @@ from phasekv.config import PROTOCOLS
 # flag -> EvalConfig field, for the flags that describe the prompt set and the run
 _EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
                "key_tokens", "value_tokens", "local_window", "batch_size", "one_by_one", "seed", "device", "dtype",
-               "device_map", "format", "gguf_file")
+               "device_map", "format", "gguf_file", "threads")
 
 
 def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name") -> None:
@@ -57,6 +57,8 @@ def add_prompt_arguments(p) -> None:
     p.add_argument("--format", default=quiet, help="HF models: prompt format (records, records-names, bare or a "
                                                    "YAML file); default: bare single-token words")
     p.add_argument("--gguf-file", default=quiet, help="HF models: a GGUF file inside the --hf directory")
+    p.add_argument("--threads", type=int, default=quiet, help="torch CPU threads (default: torch's; use 1 when "
+                                                              "several runs share the cores)")
     p.add_argument("--no-progress", action="store_true")
 
 

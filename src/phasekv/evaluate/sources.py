@@ -83,6 +83,10 @@ def make_eval_set(adapter: Adapter, vocab, protocol: str, stride: int | None = N
 
 def open_model(source: Source, cfg: EvalConfig) -> tuple[Adapter, Any, dict[str, Any]]:
     """(adapter, vocabulary, defaults for records / key and value tokens / local window)."""
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     if source.hf is not None:
         from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
 
