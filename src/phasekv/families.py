@@ -8,7 +8,11 @@ runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` ser
   phasekv       `PhaseKVForCausalLM` from a `ModelConfig` (full, sliding or compressed layers)
   transformers  any transformers causal LM from a `TransformersModelConfig` (`model_type` plus that
                 config class's fields, e.g. Qwen3ForCausalLM); transformers' classes are used as
-                they are, never re-implemented
+                they are, never re-implemented.  A text model transformers ships only inside a
+                multimodal class (GLM-5.3's `glm5_next_text`) gets a linear LM head
+                (`phasekv.textlm.TextCausalLM`).  Models with a sparse-attention indexer
+                (`phasekv.indexer`) run eager attention: their indexer objective reads the main
+                attention's probabilities, which only the eager path returns.
 
 `build` first checks that the weights fit in memory (`check_fits`): the model is built once on the
 `meta` device (no storage) and its parameters counted, so an absurd config is refused in one line
@@ -24,7 +28,9 @@ import torch
 from torch import nn
 
 from phasekv.config import ModelConfig, TransformersModelConfig
+from phasekv.indexer import indexers_of
 from phasekv.model import PhaseKVForCausalLM, build_model
+from phasekv.textlm import TextCausalLM
 
 ModelConfigLike = ModelConfig | TransformersModelConfig
 
@@ -37,8 +43,13 @@ def _build(config: Any) -> nn.Module:
     if isinstance(config, ModelConfig):
         return build_model(config)
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    return AutoModelForCausalLM.from_config(config.to_hf() if isinstance(config, TransformersModelConfig) else config)
+    hf = config.to_hf() if isinstance(config, TransformersModelConfig) else config
+    model = AutoModelForCausalLM.from_config(hf) if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING else TextCausalLM(hf)
+    if indexers_of(model):
+        model.set_attn_implementation("eager")
+    return model
 
 
 def build(config: ModelConfigLike) -> nn.Module:
@@ -93,6 +104,14 @@ def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(unwrap(model), PhaseKVForCausalLM):
         return model(ids)
     return model(input_ids=ids, use_cache=False).logits
+
+
+def repeat_cache(cache: Any, batch: int, repeats: int) -> None:
+    """Repeat each of the `batch` rows of a transformers cache `repeats` times in place (context-major order, like
+    repeat_interleave).  Goes through `reorder_cache`, which every cache layer implements for its whole state
+    (DeepSeek-V4's compressor buffers, overlap and compressed entries; GLM-5.3's linear-attention states), unlike
+    `batch_repeat_interleave`, which repeats only the keys and values or is missing."""
+    cache.reorder_cache(torch.arange(batch).repeat_interleave(repeats))
 
 
 def family_name(model: nn.Module) -> str:

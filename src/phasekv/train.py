@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from phasekv import distributed, families
+from phasekv import distributed, families, indexer
 from phasekv.checkpoint import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -292,27 +292,47 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     return last
 
 
-def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -> tuple[float, int]:
-    """One optimizer step over the micro-batches `parts`; (global mean loss, tokens seen by all ranks)."""
+def indexer_loss_weight(cfg: TrainConfig) -> float:
+    """Weight of the indexer distillation loss (phasekv.indexer) added to the LM loss of models with an indexer."""
+    return getattr(cfg, "indexer_loss_weight", 1.0)  # a TrainConfig field once config.py declares it
+
+
+def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Parameter groups clipped separately: the indexers' (trained only by their own loss) and the rest, so the
+    indexer loss never rescales the LM gradients."""
+    own = indexer.indexer_parameters(families.unwrap(model))
+    ids = {id(p) for p in own}
+    return [g for g in ([p for p in model.parameters() if id(p) not in ids], own) if g]
+
+
+def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -> tuple[float, int, float | None]:
+    """One optimizer step over the micro-batches `parts`; (global mean LM loss, tokens seen by all ranks, mean
+    indexer loss or None for a model without an indexer)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_mult"]
     count = dd.all_sum(torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in parts))))
     loss_total = torch.zeros((), device=dd.device)
+    aux_total = None
     tokens = 0
     for a, (ids, labels) in enumerate(parts):
         ids, labels = ids.to(dd.device), labels.to(dd.device)
         sync = a == cfg.grad_accum - 1 or dd.world == 1
-        with ddp.no_sync() if not sync else contextlib.nullcontext():
+        with ddp.no_sync() if not sync else contextlib.nullcontext(), \
+                indexer.distillation(families.unwrap(model)) as distill:
             loss = token_losses(ddp, ids, labels) / count * dd.world  # DDP averages over ranks
-            loss.backward()
+            aux = distill.loss()
+            (loss if aux is None else loss + indexer_loss_weight(cfg) * aux / cfg.grad_accum).backward()
         loss_total += loss.detach() / dd.world
+        if aux is not None:
+            aux_total = (0.0 if aux_total is None else aux_total) + float(aux.detach()) / cfg.grad_accum
         tokens += ids.numel() * dd.world
     loss_value = float(dd.all_sum(loss_total))
     if math.isfinite(loss_value):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for group in clip_groups(model):
+            torch.nn.utils.clip_grad_norm_(group, cfg.grad_clip)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, tokens
+    return loss_value, tokens, aux_total
 
 
 def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path, start: int, dd,
@@ -327,7 +347,7 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
     model.train()
     for step in bar:
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
-        loss_value, tokens = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step))
+        loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step))
         tokens_since += tokens
         if not math.isfinite(loss_value):
             bar.close()
@@ -338,7 +358,8 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
         if done % cfg.log_every == 0 or done == cfg.steps or done % cfg.eval_every == 0:
             now = time.perf_counter()
             row = {"step": done, "loss": loss_value, "lr": cfg.lr_at(step),
-                   "tokens_per_s": tokens_since / (now - t_last)}
+                   "tokens_per_s": tokens_since / (now - t_last),
+                   **({"indexer_loss": aux_value} if aux_value is not None else {})}
             t_last, tokens_since = now, 0
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 row.update(evaluate_validation(model, val_batches, dd.device))

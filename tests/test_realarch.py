@@ -1,0 +1,169 @@
+"""transformers' own sparse-attention architectures through phasekv, at toy size: DeepSeek-V4 (CSA, m=4, lightning
+indexer over compressed entries), DeepSeek-V3.2 (token-level DSA) and GLM-5.3 (k-pool DSA, pools of 4).
+
+Each is built from its preset under configs/transformers/ shrunk to the smallest sizes, and checked through the real
+classes: no future leakage (training forward and cached evaluation), prefill + continuation equals a full forward,
+the indexer distillation (phasekv.indexer) trains the indexer and leaves the LM gradients bit-identical, and
+`phasekv train` / `load_checkpoint` / `phasekv eval --checkpoint` work end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import phasekv
+from phasekv import families
+from phasekv.config import Experiment, TransformersModelConfig
+from phasekv.evaluate.adapter import HFAdapter
+from phasekv.indexer import distillation, indexer_parameters, indexers_of
+from phasekv.train import clip_groups, token_losses
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "transformers"
+# The presets at the smallest sizes that keep every mechanism (selection below the candidates included).  The indexer
+# keeps 16 heads: its score sums ReLU(q . k) over heads, and with few heads many candidates score exactly 0, so the
+# top-k breaks ties by tensor layout and a cached continuation selects differently from a full forward (measured with
+# 2 heads on DeepSeek-V3.2: logits differ by 2e-2; with 16 heads no candidate scores 0 and they agree exactly).
+SMALL = {
+    "deepseek-v4-csa": dict(hidden_size=32, num_attention_heads=2, head_dim=16, q_lora_rank=16, o_lora_rank=8,
+                            moe_intermediate_size=32, index_n_heads=16, index_head_dim=8, index_topk=3,
+                            sliding_window=8, partial_rotary_factor=0.25, max_position_embeddings=128),
+    "deepseek-v32-dsa": dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                             kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                             index_topk=8, index_n_heads=16, index_head_dim=8, max_position_embeddings=128),
+    "glm5-kpool": dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                       kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, v_head_dim=8, index_topk=8,
+                       index_n_heads=16, index_head_dim=8, linear_head_dim=8, linear_num_heads=2,
+                       max_position_embeddings=128),
+}
+NAMES = list(SMALL)
+EXPECTED = {"deepseek-v4-csa": "DeepseekV4ForCausalLM", "deepseek-v32-dsa": "DeepseekV32ForCausalLM",
+            "glm5-kpool": "TextCausalLM"}
+
+
+def small_section(name: str) -> dict:
+    section = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"]
+    return {**section, **SMALL[name]}
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    section = small_section(name)
+    torch.manual_seed(seed)
+    return families.build(TransformersModelConfig(section.pop("model_type"), section))
+
+
+def ids_for(seed: int, batch: int = 2, length: int = 40) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    return token_losses(model, ids, labels) / labels.ne(-100).sum()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_future_leakage_and_cached_continuation_equals_full_forward(name):
+    model = build(name)
+    assert type(model).__name__ == EXPECTED[name] and indexers_of(model)
+    ids, n = ids_for(1), 21  # prefill length not a multiple of the pool / compression size
+    adapter = HFAdapter(model, name)
+    with torch.no_grad():
+        full = families.logits(model.train(), ids)
+    cached = adapter.continue_from(adapter.prefill(ids[:, :n]), ids[:, n:], 1)
+    torch.testing.assert_close(cached, full[:, n:], rtol=0, atol=1e-4)
+    for p in (2, 22, 31):
+        changed = ids.clone()
+        changed[:, p] = (changed[:, p] + 1) % 256
+        with torch.no_grad():
+            out = families.logits(model.train(), changed)
+        torch.testing.assert_close(out[:, :p], full[:, :p], rtol=0, atol=1e-5)
+        assert (out[:, p:] - full[:, p:]).abs().max() > 1e-4  # the change is seen from p on
+        if p >= n:
+            cont = adapter.continue_from(adapter.prefill(changed[:, :n]), changed[:, n:], 1)
+            torch.testing.assert_close(cont[:, :p - n], cached[:, :p - n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(cont, out[:, n:], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_prefill_repeated_per_query_equals_full_forwards(name):
+    """`families.repeat_cache` repeats every state of the cache (compressor buffers, linear-attention states)."""
+    model = build(name).eval()
+    ids, n, repeats = ids_for(2), 22, 3
+    queries = torch.cat([ids[:, n:]] * repeats, dim=0)[torch.arange(2 * repeats).view(repeats, 2).T.flatten()]
+    contexts = ids[:, :n].repeat_interleave(repeats, 0)
+    with torch.no_grad():
+        full = families.logits(model, torch.cat([contexts, queries], dim=1))[:, n:]
+        past, length = HFAdapter(model, name).prefill(ids[:, :n])
+        families.repeat_cache(past, 2, repeats)
+        positions = torch.arange(length, ids.shape[1]).expand(queries.shape[0], -1)
+        out = model(input_ids=queries, position_ids=positions, cache=past, use_cache=True).logits
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_indexer_loss_reaches_only_the_indexer_and_selection_matches_the_real_scores(name):
+    model = build(name).train()
+    ids = ids_for(3, batch=3)
+    own = {id(p) for p in indexer_parameters(model)}
+    lm_loss(model, ids).backward()
+    assert own and all(p.grad is None for p in indexer_parameters(model))  # why the indexer needs its own loss
+    lm_only = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with distillation(model) as state:
+        lm = lm_loss(model, ids)
+        aux = state.loss(keep=True)
+        records = list(state.records.values())
+    (lm + aux).backward()
+    assert aux.item() > 0 and len(records) == len(indexers_of(model))
+    for n, p in model.named_parameters():
+        if id(p) in own:
+            continue
+        assert (p.grad is None) == (n not in lm_only), n
+        assert p.grad is None or torch.equal(p.grad, lm_only[n]), n  # bit-identical LM gradients
+    assert all(p.grad is not None for p in indexer_parameters(model))
+    assert len(clip_groups(model)) == 2
+    for record in records:  # the recorded scores rank the candidates as the real indexer selected them
+        assert record.used.sum() > 0 and (record.candidates & ~record.selected).sum() > 0  # selection matters
+        scores = record.scores.detach()
+        low = torch.where(record.used, scores, float("inf")).amin(-1)
+        high = torch.where(record.candidates & ~record.selected, scores, float("-inf")).amax(-1)
+        assert (low >= high - 1e-5).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_indexer_loss_decreases(name):
+    model = build(name).train()
+    with torch.no_grad():  # peaked main attention (a random LM's is near uniform: nothing to distill)
+        for attention, _, _ in indexers_of(model):
+            attention.q_b_proj.weight.mul_(30.0)
+    ids = ids_for(4, batch=4)
+    optimizer = torch.optim.Adam(indexer_parameters(model), lr=3e-2)
+    losses = []
+    for _ in range(10):
+        with distillation(model) as state:
+            families.logits(model, ids)
+            aux = state.loss()
+        optimizer.zero_grad()
+        aux.backward()
+        optimizer.step()
+        losses.append(aux.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_trains_saves_loads_and_evaluates(name, tmp_path):
+    from phasekv.cli import main
+    from phasekv.train import read_metrics, train
+    from tests.test_train import TINY
+
+    tree = {**TINY, "model": small_section(name), "train": {**TINY["train"], "steps": 3, "checkpoint_every": 3}}
+    train(Experiment.from_tree(tree), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert rows and all("indexer_loss" in row for row in rows)
+    model, _ = phasekv.load_checkpoint(tmp_path / "run")
+    assert type(model).__name__ == EXPECTED[name] and not model.training
+    flags = ["--clusters", "2", "--records", "24", "--demos", "4", "--no-progress", "--seed", "3", "--one-by-one"]
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "eval"), *flags]) == 0
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["n_prompts"] > 0
