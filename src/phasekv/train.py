@@ -292,11 +292,6 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     return last
 
 
-def indexer_loss_weight(cfg: TrainConfig) -> float:
-    """Weight of the indexer distillation loss (phasekv.indexer) added to the LM loss of models with an indexer."""
-    return getattr(cfg, "indexer_loss_weight", 1.0)  # a TrainConfig field once config.py declares it
-
-
 def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """Parameter groups clipped separately: the indexers' (trained only by their own loss) and the rest, so the
     indexer loss never rescales the LM gradients."""
@@ -321,7 +316,7 @@ def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -
                 indexer.distillation(families.unwrap(model)) as distill:
             loss = token_losses(ddp, ids, labels) / count * dd.world  # DDP averages over ranks
             aux = distill.loss()
-            (loss if aux is None else loss + indexer_loss_weight(cfg) * aux / cfg.grad_accum).backward()
+            (loss if aux is None else loss + cfg.indexer_loss_weight * aux / cfg.grad_accum).backward()
         loss_total += loss.detach() / dd.world
         if aux is not None:
             aux_total = (0.0 if aux_total is None else aux_total) + float(aux.detach()) / cfg.grad_accum

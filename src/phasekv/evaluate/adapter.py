@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from phasekv.cache import KVCache
+from phasekv.families import repeat_cache
 from phasekv.model import PhaseKVForCausalLM
 
 
@@ -100,7 +101,8 @@ class HFAdapter(Adapter):
         self.module, self.device = model.eval(), next(model.parameters()).device
         self.info = ModelInfo(name, text.vocab_size, text.num_hidden_layers, heads,
                               getattr(text, "num_key_value_heads", None) or heads,
-                              getattr(text, "head_dim", None) or text.hidden_size // heads,
+                              getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)  # o_proj input
+                              or text.hidden_size // heads,
                               getattr(text, "max_position_embeddings", 1 << 30), stride, local_window)
 
     def attention_layers(self) -> list[nn.Module]:
@@ -135,8 +137,8 @@ class HFAdapter(Adapter):
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         past, length = cache
         past = copy.deepcopy(past)
-        if repeats > 1:
-            past.batch_repeat_interleave(repeats)
+        if repeats > 1:  # through reorder_cache: every cache layer repeats its whole state (compressor buffers too)
+            repeat_cache(past, ids.shape[0] // repeats, repeats)
         ids = ids.to(self.device)
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"
