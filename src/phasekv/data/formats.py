@@ -95,10 +95,17 @@ def _kind_texts(kind: str) -> list[str]:
     return _words(base, 4 * len(base))
 
 
-def _modal(pieces: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The pieces of the most common token length (ties: the shorter)."""
-    counts = collections.Counter(len(p) for p in pieces.values())
-    length = max(counts, key=lambda n: (counts[n], -n))
+def _modal(pieces: dict[str, tuple[int, ...]], by_first: bool = False) -> dict[str, tuple[int, ...]]:
+    """The pieces of one token length: the most common one (ties: the shorter), or with `by_first` the length
+    whose pieces have the most distinct first tokens (values: the answers a guesser must choose among)."""
+    groups: dict[int, list[tuple[int, ...]]] = collections.defaultdict(list)
+    for p in pieces.values():
+        groups[len(p)].append(p)
+
+    def score(n: int) -> tuple[int, int]:
+        return (len({p[0] for p in groups[n]}) if by_first else len(groups[n]), -n)
+
+    length = max(groups, key=score)
     return {t: p for t, p in pieces.items() if len(p) == length}
 
 
@@ -112,8 +119,9 @@ class FormatVocabulary:
             return tuple(tokenizer.encode(text, add_special_tokens=False))
 
         keys = _modal({w: encode(fmt.key_text.format(key=w)) for w in _kind_texts(fmt.keys)})
-        values = _modal({v: encode(fmt.value_text.format(value=v)) for v in _kind_texts(fmt.values)})
-        keys = {w: p for w, p in keys.items() if p not in set(values.values())}
+        values = _modal({v: encode(fmt.value_text.format(value=v)) for v in _kind_texts(fmt.values)}, by_first=True)
+        taken = set(values.values())
+        keys = {w: p for w, p in keys.items() if p not in taken}
         common = _common_prefix(list(values.values()))
         self.key_pieces = [p + common for p in dict.fromkeys(keys.values())]  # distinct
         self.value_pieces = [p[len(common):] for p in values.values()]
