@@ -68,7 +68,7 @@ def test_eval_and_audit_commands_take_a_format(tmp_path):
                  "--stride", "8", "--residue-modulus", "8", "--clusters", "8", "--out", str(tmp_path / "eval"),
                  "--no-progress"]) == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert metrics["verdict"].startswith("cannot do the task") and metrics["chance"] > 0.05
+    assert metrics["verdict"].startswith("cannot do the task") and 0 < metrics["chance"] < 0.5
     assert main(["audit", "--hf", str(model_dir), "--records", "24", "--demos", "2", "--prompts-per-phase", "1",
                  "--compress", "none", "mean", "--out", str(tmp_path / "audit"), "--no-progress"]) == 0
     summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
