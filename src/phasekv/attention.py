@@ -60,6 +60,23 @@ def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
     return ok
 
 
+def _block_mask(vis: Visible, q_pos: torch.Tensor, kp: torch.Tensor, local: int, n: int,
+                tail: tuple[int, int] | None) -> torch.Tensor:
+    """(B or 1, nb, nb+local-1+n) True where a block's query (positions q_pos, on the compute device) may
+    read key j: keys are the block's raw tokens (positions kp) then the first n compressed entries."""
+    nb = q_pos.shape[0]
+    rel = torch.arange(kp.shape[0], device=q_pos.device)[None, :] - torch.arange(nb, device=q_pos.device)[:, None]
+    ok = (rel >= 0) & (rel < local) & (kp >= 0)[None, :]  # (nb, nb+local-1): query i reads raw i..i+local-1
+    if tail is not None:
+        ok = ok & (kp[None, :] >= tail_start(q_pos, *tail)[:, None])
+    ok = ok[None]  # (1, nb, nb+local-1): masks depend on (batch, query, key), never on the head
+    if not n:
+        return ok
+    entries = _entry_mask(vis, q_pos, n)  # (1 or B, nb, n)
+    width = max(ok.shape[0], entries.shape[0])
+    return torch.cat([ok.expand(width, -1, -1), entries.expand(width, -1, -1)], dim=-1)
+
+
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                        k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
@@ -70,41 +87,38 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     (B, KVH, local-1+Tq, D) hold the `local - 1` raw tokens before the queries (position -1 = empty
     slot) then the queries' own.
     `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
+
+    One fused `scaled_dot_product_attention` call per block of queries: keys are the block's raw tokens
+    (a-local+1 .. b-1) then the entries visible to its last query, under an additive float mask (PyTorch's
+    CPU kernels take a float mask at no cost, a boolean one at twice the time).  The sink is one more key
+    of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
     B, KVH, G, Tq, D = q.shape
-    scale = 1.0 / math.sqrt(D)
-    out = torch.empty_like(q)
+    H = KVH * G
+    out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
+    qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
     n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    q_dev = q_pos.to(k_pos.device)
     for a in range(0, Tq, block):
         b = min(a + block, Tq)
-        qb, pos = q[:, :, :, a:b], q_pos[a:b].to(k_pos.device)
-        kl = k_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
-        vl = v_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
-        kp = k_pos[a:b + local - 1].unfold(0, local, 1)  # (nb, L)
-        ok_local = kp >= 0
-        if tail is not None:
-            ok_local = ok_local & (kp >= tail_start(pos, *tail)[:, None])
-        logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl)]  # (B, KVH, G, nb, L)
-        masks = [ok_local[None]]  # (1, nb, L): masks depend on (batch, query, key), never on the head
-        n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # entries any query here sees
+        n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # on the host: no device sync
+        sub = vis if vis.selection is None else Visible(vis.entries_k, vis.entries_v, vis.entries_end,
+                                                        vis.selection.rows(a, b))
+        ok = _block_mask(sub, q_dev[a:b], k_pos[a:b + local - 1], local, n, tail)  # (B|1, nb, M)
+        keys, vals = [k_all[:, :, a:b + local - 1]], [v_all[:, :, a:b + local - 1]]  # (B, KVH, nb+L-1, D)
         if n:
-            ek = vis.entries_k[:, :, :n]
-            logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek))  # (B, KVH, G, nb, n)
-            sub = Visible(vis.entries_k, vis.entries_v, vis.entries_end,
-                          None if vis.selection is None else vis.selection.rows(a, b))
-            masks.append(_entry_mask(sub, pos, n))  # (1 or B, nb, n)
+            keys.append(vis.entries_k[:, :, :n])  # (B, KVH, n, D)
+            vals.append(vis.entries_v[:, :, :n])
+        mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))[:, None]
         if sink is not None:
-            logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype) / scale)
-            masks.append(torch.ones(1, b - a, 1, dtype=torch.bool, device=q.device))
-        width = max(m.shape[0] for m in masks)
-        mask = torch.cat([m.expand(width, -1, -1) for m in masks], dim=-1)[:, None, None]  # (B|1, 1, 1, nb, M)
-        scores = (torch.cat(logits, dim=-1) * scale).masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        res = torch.einsum("bkgtl,bktdl->bkgtd", probs[..., :local], vl)
-        if n:
-            res = res + torch.einsum("bkgtn,bknd->bkgtd", probs[..., local:local + n], vis.entries_v[:, :, :n])
-        out[:, :, :, a:b] = res
-    return out
+            zero = k_all.new_zeros(B, KVH, 1, D)
+            keys.append(zero)
+            vals.append(zero)
+            sink_logit = sink.to(q.dtype).view(1, H, 1, 1).expand(mask.shape[0], H, b - a, 1)
+            mask = torch.cat([mask.expand(-1, H, -1, -1), sink_logit], dim=-1)  # (B|1, H, nb, M+1)
+        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], torch.cat(keys, dim=2),
+                                                        torch.cat(vals, dim=2), attn_mask=mask, enable_gqa=True)
+    return out.view(B, KVH, G, Tq, D)
 
 
 def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
