@@ -48,33 +48,28 @@ def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
     return torch.where(t >= window - 1, done * stride + window, torch.zeros_like(t))
 
 
-def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-    """(B or 1, Tq, n) True where entry j is usable by the query (q_pos on the compute device)."""
-    ok = (vis.entries_end[:n].to(q_pos.device)[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
-    sel = vis.selection
-    if sel is not None and n > sel.k:
-        scores = sel.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
-        keep = scores.topk(sel.k, dim=-1).indices
+def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Tensor) -> torch.Tensor:
+    """(B or 1, Tq, n) True where entry j (window end ends[j]) is usable by the query at q_pos (all on the
+    compute device); `selection` holds these queries' rows."""
+    ok = (ends[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
+    n = ends.shape[0]
+    if selection is not None and n > selection.k:
+        scores = selection.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
+        keep = scores.topk(selection.k, dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
         ok = ok & chosen
     return ok
 
 
-def _block_mask(vis: Visible, q_pos: torch.Tensor, kp: torch.Tensor, local: int, n: int,
-                tail: tuple[int, int] | None) -> torch.Tensor:
-    """(B or 1, nb, nb+local-1+n) True where a block's query (positions q_pos, on the compute device) may
-    read key j: keys are the block's raw tokens (positions kp) then the first n compressed entries."""
+def _raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int, int] | None) -> torch.Tensor:
+    """(nb, nb+local-1) True where a block's query i (position q_pos[i]) may read raw key j (position kp[j]):
+    its own window is keys i..i+local-1, without empty slots and, with `tail`, without compressed tokens."""
     nb = q_pos.shape[0]
-    rel = torch.arange(kp.shape[0], device=q_pos.device)[None, :] - torch.arange(nb, device=q_pos.device)[:, None]
-    ok = (rel >= 0) & (rel < local) & (kp >= 0)[None, :]  # (nb, nb+local-1): query i reads raw i..i+local-1
+    rel = torch.arange(kp.shape[0], device=kp.device)[None, :] - torch.arange(nb, device=kp.device)[:, None]
+    ok = (rel >= 0) & (rel < local) & (kp >= 0)[None, :]
     if tail is not None:
         ok = ok & (kp[None, :] >= tail_start(q_pos, *tail)[:, None])
-    ok = ok[None]  # (1, nb, nb+local-1): masks depend on (batch, query, key), never on the head
-    if not n:
-        return ok
-    entries = _entry_mask(vis, q_pos, n)  # (1 or B, nb, n)
-    width = max(ok.shape[0], entries.shape[0])
-    return torch.cat([ok.expand(width, -1, -1), entries.expand(width, -1, -1)], dim=-1)
+    return ok
 
 
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -88,10 +83,10 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     slot) then the queries' own.
     `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
 
-    One fused `scaled_dot_product_attention` call per block of queries: keys are the block's raw tokens
-    (a-local+1 .. b-1) then the entries visible to its last query, under an additive float mask (PyTorch's
-    CPU kernels take a float mask at no cost, a boolean one at twice the time).  The sink is one more key
-    of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
+    One fused `scaled_dot_product_attention` call per block of queries a..b-1: keys are the raw tokens
+    a-local+1 .. b-1 then the entries visible to the last query, under an additive float mask (PyTorch's
+    CPU kernel takes a float mask at no extra cost, a boolean one at about twice the time).  The sink is
+    one more key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
     B, KVH, G, Tq, D = q.shape
     H = KVH * G
@@ -99,23 +94,34 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
     n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
     q_dev = q_pos.to(k_pos.device)
+    ends = vis.entries_end.to(k_pos.device) if n_total else None
+    zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
+    if sink is not None:
+        zero_kv = k_all.new_zeros(B, KVH, 1, D)
+        sink_logit = sink.to(q.dtype).view(1, H, 1, 1)
+    band = None  # the raw mask of a full block whose slots are all filled: the same for every such block
     for a in range(0, Tq, block):
         b = min(a + block, Tq)
         n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # on the host: no device sync
-        sub = vis if vis.selection is None else Visible(vis.entries_k, vis.entries_v, vis.entries_end,
-                                                        vis.selection.rows(a, b))
-        ok = _block_mask(sub, q_dev[a:b], k_pos[a:b + local - 1], local, n, tail)  # (B|1, nb, M)
+        if tail is None and b - a == block and a >= local - 1:  # slots before index local-1 may be empty
+            if band is None:
+                band = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, None)
+            ok = band[None]  # (1, nb, nb+L-1): masks depend on (batch, query, key), never on the head
+        else:
+            ok = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)[None]
         keys, vals = [k_all[:, :, a:b + local - 1]], [v_all[:, :, a:b + local - 1]]  # (B, KVH, nb+L-1, D)
         if n:
+            sel = None if vis.selection is None else vis.selection.rows(a, b)
+            entries = _entry_mask(ends[:n], sel, q_dev[a:b])  # (1 or B, nb, n)
+            width = max(ok.shape[0], entries.shape[0])
+            ok = torch.cat([ok.expand(width, -1, -1), entries.expand(width, -1, -1)], dim=-1)  # (B|1, nb, M)
             keys.append(vis.entries_k[:, :, :n])  # (B, KVH, n, D)
             vals.append(vis.entries_v[:, :, :n])
-        mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))[:, None]
+        mask = torch.where(ok, zero, minus_inf)[:, None]  # (B|1, 1, nb, M)
         if sink is not None:
-            zero = k_all.new_zeros(B, KVH, 1, D)
-            keys.append(zero)
-            vals.append(zero)
-            sink_logit = sink.to(q.dtype).view(1, H, 1, 1).expand(mask.shape[0], H, b - a, 1)
-            mask = torch.cat([mask.expand(-1, H, -1, -1), sink_logit], dim=-1)  # (B|1, H, nb, M+1)
+            keys.append(zero_kv)
+            vals.append(zero_kv)
+            mask = torch.cat([mask.expand(-1, H, -1, -1), sink_logit.expand(mask.shape[0], H, b - a, 1)], dim=-1)
         out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], torch.cat(keys, dim=2),
                                                         torch.cat(vals, dim=2), attn_mask=mask, enable_gqa=True)
     return out.view(B, KVH, G, Tq, D)
