@@ -202,6 +202,8 @@ class Attention(nn.Module):
         """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
         B, T, _ = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if cache is not None and cache.repeats > 1:
+            cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
         pos = torch.arange(start, start + T, device=x.device)
         q = self._norm_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), "q_norm", pos)  # (B, H, T, D)
         k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D).transpose(1, 2), "k_norm", pos)  # (B, KVH, T, D)
