@@ -83,47 +83,52 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     slot) then the queries' own.
     `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
 
-    One fused `scaled_dot_product_attention` call per block of queries a..b-1: keys are the raw tokens
-    a-local+1 .. b-1 then the entries visible to the last query, under an additive float mask (PyTorch's
-    CPU kernel takes a float mask at no extra cost, a boolean one at about twice the time).  The sink is
-    one more key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
+    One fused `scaled_dot_product_attention` call per block of queries a..b-1 over the keys
+    [raw tokens a-local+1 .. b-1 | sink | entries visible to the block's last query], under an additive
+    float mask (PyTorch's CPU kernel takes a float mask at no extra cost, a boolean one at about twice
+    the time).  Keys, values and mask live in buffers filled once: per block only the raw keys and the
+    mask columns that change are rewritten (entries visible to every query of the block stay at 0).
+    The sink is a key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
     B, KVH, G, Tq, D = q.shape
     H = KVH * G
-    out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
     qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
-    n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
+    nq, n_total = min(block, Tq), 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    R, E = nq + local - 1, int(sink is not None)  # raw key slots, sink slots; entries start at R + E
+    keys = k_all.new_zeros(B, KVH, R + E + n_total, D)  # (B, KVH, R+E+N, D)
+    vals = v_all.new_zeros(B, KVH, R + E + n_total, D)
+    if n_total:
+        keys[:, :, R + E:], vals[:, :, R + E:] = vis.entries_k, vis.entries_v
+    # masks depend on (batch, query, key) and on the head only through the sink
+    mask = q.new_zeros(B if vis.selection is not None else 1, H if E else 1, nq, R + E + n_total)
+    if E:
+        mask[:, :, :, R] = sink.to(q.dtype).view(1, H, 1)
+    zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
     q_dev = q_pos.to(k_pos.device)
     ends = vis.entries_end.to(k_pos.device) if n_total else None
-    zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
-    if sink is not None:
-        zero_kv = k_all.new_zeros(B, KVH, 1, D)
-        sink_logit = sink.to(q.dtype).view(1, H, 1, 1)
-    band = None  # the raw mask of a full block whose slots are all filled: the same for every such block
+    band = False  # the mask's raw columns hold the band of a full block whose slots are all filled
+    done = 0  # entries visible to every query of the previous block: their mask columns are already 0
     for a in range(0, Tq, block):
         b = min(a + block, Tq)
-        n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # on the host: no device sync
-        if tail is None and b - a == block and a >= local - 1:  # slots before index local-1 may be empty
-            if band is None:
-                band = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, None)
-            ok = band[None]  # (1, nb, nb+L-1): masks depend on (batch, query, key), never on the head
-        else:
-            ok = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)[None]
-        keys, vals = [k_all[:, :, a:b + local - 1]], [v_all[:, :, a:b + local - 1]]  # (B, KVH, nb+L-1, D)
+        nb, n = b - a, int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # host: no device sync
+        keys[:, :, :nb + local - 1] = k_all[:, :, a:b + local - 1]
+        vals[:, :, :nb + local - 1] = v_all[:, :, a:b + local - 1]
+        m = mask[:, :, :nb]  # (B|1, H|1, nb, R+E+N)
+        regular = tail is None and nb == nq and a >= local - 1  # slots before index local-1 may be empty
+        if not (regular and band):
+            ok = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)  # (nb, nb+L-1)
+            m[..., :R] = torch.where(F.pad(ok, (0, R - ok.shape[1])), zero, minus_inf)
+            band = regular
         if n:
+            first = 0 if vis.selection is not None else done  # a selection may change any column
             sel = None if vis.selection is None else vis.selection.rows(a, b)
-            entries = _entry_mask(ends[:n], sel, q_dev[a:b])  # (1 or B, nb, n)
-            width = max(ok.shape[0], entries.shape[0])
-            ok = torch.cat([ok.expand(width, -1, -1), entries.expand(width, -1, -1)], dim=-1)  # (B|1, nb, M)
-            keys.append(vis.entries_k[:, :, :n])  # (B, KVH, n, D)
-            vals.append(vis.entries_v[:, :, :n])
-        mask = torch.where(ok, zero, minus_inf)[:, None]  # (B|1, 1, nb, M)
-        if sink is not None:
-            keys.append(zero_kv)
-            vals.append(zero_kv)
-            mask = torch.cat([mask.expand(-1, H, -1, -1), sink_logit.expand(mask.shape[0], H, b - a, 1)], dim=-1)
-        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], torch.cat(keys, dim=2),
-                                                        torch.cat(vals, dim=2), attn_mask=mask, enable_gqa=True)
+            ok = _entry_mask(ends[first:n], sel, q_dev[a:b])  # (1 or B, nb, n-first)
+            m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)[:, None]
+            done = int((vis.entries_end <= q_pos[a]).sum())
+        M = R + E + n
+        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], keys[:, :, :M], vals[:, :, :M],
+                                                        attn_mask=m[..., :M], enable_gqa=True)
     return out.view(B, KVH, G, Tq, D)
 
 
