@@ -4,9 +4,11 @@ full-attention layer of the same width, the attention core alone, and whole-mode
 Each measurement runs in a fresh subprocess so peak RSS is its own.  Prints a table and, last,
 `core_ratio@16384=A time_ratio@16384=B time_ratio@65536=C memory_ratio@16384=D cache_ratio@16384=E`
 (compressed / full).  The core ratio times `windowed_attention` against causal SDPA on the same q, k, v
-(B=1, H=8, KVH=2, D=64); the long length is timed once, without memory or cache measurements.
+(B=1, H=8, KVH=2, D=64); the long length is timed once, without memory or cache measurements, at a
+quarter of the width (2 query heads, 1 KV head, hidden 128) so that the whole run takes about two minutes.
 
     .venv/bin/python benchmarks/attention_scaling.py [--lengths 1024 4096 16384] [--long 65536] [--repeats 3]
+                                                     [--threads N]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 WIDTH = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              vocab_size=256, num_hidden_layers=2)
+LONG_WIDTH = dict(WIDTH, hidden_size=128, intermediate_size=384, num_attention_heads=2, num_key_value_heads=1)
 COMPRESSED = dict(compressor="gated", window=8, stride=8, local_window=16)
 
 
@@ -37,7 +40,7 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def measure(kind: str, T: int, repeats: int, cache: bool) -> dict:
+def measure(kind: str, T: int, repeats: int, cache: bool, width: dict) -> dict:
     import torch
 
     from phasekv.attention import Attention
@@ -45,7 +48,7 @@ def measure(kind: str, T: int, repeats: int, cache: bool) -> dict:
     from phasekv.model import build_model
 
     torch.manual_seed(0)
-    config = ModelConfig(**WIDTH, **(COMPRESSED if kind == "compressed" else {}), max_position_embeddings=T)
+    config = ModelConfig(**width, **(COMPRESSED if kind == "compressed" else {}), max_position_embeddings=T)
     layer = Attention(config, 0).eval()
     x = torch.randn(1, T, config.hidden_size)
     with torch.no_grad():
@@ -86,9 +89,9 @@ def measure_core(T: int, repeats: int) -> dict:
     return {"full_s": full, "compressed_s": core}
 
 
-def _child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True,
-                         text=True).stdout
+def _child(threads: int, *args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--threads", str(threads), "--child", *args], check=True,
+                         capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -97,24 +100,32 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--long", type=int, default=65536, help="timed once per kind, whole layer (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        kind, T, repeats, cache = args.child[0], int(args.child[1]), int(args.child[2]), args.child[3] == "1"
-        print(json.dumps(measure_core(T, repeats) if kind == "core" else measure(kind, T, repeats, cache)))
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        kind, T, repeats, mode = args.child[0], int(args.child[1]), int(args.child[2]), args.child[3]
+        print(json.dumps(measure_core(T, repeats) if kind == "core" else
+                         measure(kind, T, repeats, mode == "cache", LONG_WIDTH if mode == "long" else WIDTH)))
         return
     T = args.lengths[-1]
-    rows = {(kind, n): _child(kind, str(n), str(args.repeats), str(int(n == T)))
+    rows = {(kind, n): _child(args.threads, kind, str(n), str(args.repeats), "cache" if n == T else "plain")
             for n in args.lengths for kind in ("full", "compressed")}
     if args.long:
-        rows.update({(kind, args.long): _child(kind, str(args.long), "1", "0") for kind in ("full", "compressed")})
-    core = _child("core", str(T), str(args.repeats), "0")
+        rows.update({(kind, args.long): _child(args.threads, kind, str(args.long), "1", "long")
+                     for kind in ("full", "compressed")})
+    core = _child(args.threads, "core", str(T), str(args.repeats), "plain")
     print(f"{'T':>6} {'kind':>10} {'time ms':>9} {'peak MiB':>9} {'cache B/tok':>11}")
     for (kind, n), r in rows.items():
         print(f"{n:>6} {kind:>10} {r['time_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**20:9.1f} "
               f"{r.get('cache_bytes_per_token', float('nan')):11.1f}")
     print(f"core at T={T}: causal SDPA {core['full_s'] * 1e3:.1f} ms, compressed {core['compressed_s'] * 1e3:.1f} ms")
-    print(f"{'T':>6} {'time':>9} {'memory':>9} {'work (16+T/8)/T':>16}  (ratios compressed/full)")
+    print(f"{'T':>6} {'time':>9} {'memory':>9} {'work (16+T/8)/T':>16}  (ratios compressed/full; "
+          f"T={args.long}: quarter width, time only)")
     ratio = {}
     for n in sorted({n for _, n in rows}):
         c, f = rows["compressed", n], rows["full", n]
