@@ -10,10 +10,11 @@ Full layers use PyTorch SDPA.
 Layout: per-head tensors are (B, KVH, G, T, D) with query head h = kvh * G + g (as HF's
 `repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).
 
-The fast path tiles queries in blocks and reads the local window as a strided view, so time and
-memory grow like T * (local_window + T / S); `windowed_attention_reference` is the per-query loop
-it is tested against.  Both the training forward and cached inference run the same code: the
-training forward is cached inference that starts from an empty cache.
+The fast path tiles queries in blocks, one fused SDPA call per block over the block's raw tokens and
+the entries it may see, so time and memory grow like T * (block + local_window + T / S);
+`windowed_attention_reference` is the per-query loop it is tested against.  Both the training
+forward and cached inference run the same code: the training forward is cached inference that
+starts from an empty cache.
 """
 
 from __future__ import annotations
