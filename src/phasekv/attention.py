@@ -94,7 +94,8 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     B, KVH, G, Tq, D = q.shape
     H = KVH * G
     qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
-    out = torch.empty(B, H, Tq, D, dtype=q.dtype, device=q.device)
+    # (B, H, Tq, D) view of (B, Tq, H, D) storage: the layer's o_proj input is then a view, not a copy
+    out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     nq, n_total = min(block, Tq), 0 if vis.entries_k is None else vis.entries_k.shape[2]
     R, E = nq + local - 1, int(sink is not None)  # raw key slots, sink slots; entries start at R + E
     keys = k_all.new_zeros(B, KVH, R + E + n_total, D)  # (B, KVH, R+E+N, D)
