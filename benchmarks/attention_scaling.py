@@ -1,10 +1,14 @@
 """Time and peak memory of one compressed attention layer (W8/S8, local window 16) against one
-full-attention layer of the same width, and whole-model cache bytes per token.
+full-attention layer of the same width, the attention core alone, and whole-model cache bytes per token.
 
-Each (kind, T) runs in a fresh subprocess so peak RSS is its own.  Prints a table and, last,
-`time_ratio@16384=X memory_ratio@16384=Y cache_ratio@16384=Z` (compressed / full).
+Each measurement runs in a fresh subprocess so peak RSS is its own.  Prints a table and, last,
+`core_ratio@16384=A time_ratio@16384=B time_ratio@65536=C memory_ratio@16384=D cache_ratio@16384=E`
+(compressed / full).  The core ratio times `windowed_attention` against causal SDPA on the same q, k, v
+(B=1, H=8, KVH=2, D=64); the long length is timed once, without memory or cache measurements, at a
+quarter of the width (2 query heads, 1 KV head, hidden 128) so that the whole run takes about two minutes.
 
-    .venv/bin/python benchmarks/attention_scaling.py [--lengths 1024 4096 16384] [--repeats 3]
+    .venv/bin/python benchmarks/attention_scaling.py [--lengths 1024 4096 16384] [--long 65536] [--repeats 3]
+                                                     [--threads N]
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import time
 
 WIDTH = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              vocab_size=256, num_hidden_layers=2)
+LONG_WIDTH = dict(WIDTH, hidden_size=128, intermediate_size=384, num_attention_heads=2, num_key_value_heads=1)
+COMPRESSED = dict(compressor="gated", window=8, stride=8, local_window=16)
 
 
 def _rss_bytes() -> int:
@@ -25,7 +31,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(kind: str, T: int, repeats: int) -> dict:
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure(kind: str, T: int, repeats: int, cache: bool, width: dict) -> dict:
     import torch
 
     from phasekv.attention import Attention
@@ -33,53 +48,93 @@ def measure(kind: str, T: int, repeats: int) -> dict:
     from phasekv.model import build_model
 
     torch.manual_seed(0)
-    comp = dict(compressor="gated", window=8, stride=8, local_window=16) if kind == "compressed" else {}
-    config = ModelConfig(**WIDTH, **comp, max_position_embeddings=T)
+    config = ModelConfig(**width, **(COMPRESSED if kind == "compressed" else {}), max_position_embeddings=T)
     layer = Attention(config, 0).eval()
     x = torch.randn(1, T, config.hidden_size)
     with torch.no_grad():
         layer(x[:, :64])  # warm up kernels
-        times = []
         base = _rss_bytes()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            layer(x)
-            times.append(time.perf_counter() - t0)
+        seconds = _best(lambda: layer(x), repeats)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-        model = build_model(config).eval()
-        cache = model.new_cache()
-        model(torch.randint(0, 256, (1, T)), cache=cache)
-    return {"time_s": min(times), "peak_bytes": max(peak, 0), "cache_bytes_per_token": cache.nbytes() / T}
+        result = {"time_s": seconds, "peak_bytes": max(peak, 0)}
+        if cache:
+            model = build_model(config).eval()
+            kv = model.new_cache()
+            model(torch.randint(0, 256, (1, T)), cache=kv)
+            result["cache_bytes_per_token"] = kv.nbytes() / T
+    return result
+
+
+def measure_core(T: int, repeats: int) -> dict:
+    """The attention core alone: `windowed_attention` over the entries of a W8/S8 compressor vs causal SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    from phasekv.attention import Visible, windowed_attention
+
+    torch.manual_seed(0)
+    H, KVH, D, L, S = WIDTH["num_attention_heads"], WIDTH["num_key_value_heads"], WIDTH["head_dim"], 16, 8
+    q = torch.randn(1, H, T, D)
+    k, v = torch.randn(1, KVH, T, D), torch.randn(1, KVH, T, D)
+    n = T // S
+    vis = Visible(torch.randn(1, KVH, n, D), torch.randn(1, KVH, n, D), torch.arange(n) * S + S - 1)
+    k_all = torch.cat([k.new_zeros(1, KVH, L - 1, D), k], dim=2)  # (1, KVH, L-1+T, D)
+    v_all = torch.cat([v.new_zeros(1, KVH, L - 1, D), v], dim=2)
+    k_pos = torch.cat([torch.full((L - 1,), -1), torch.arange(T)])
+    qg = q.view(1, KVH, H // KVH, T, D)  # (1, KVH, G, T, D)
+    with torch.no_grad():
+        full = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), repeats)
+        core = _best(lambda: windowed_attention(qg, torch.arange(T), k_all, v_all, k_pos, L, vis, None, None, 128),
+                     repeats)
+    return {"full_s": full, "compressed_s": core}
+
+
+def _child(threads: int, *args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--threads", str(threads), "--child", *args], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--long", type=int, default=65536, help="timed once per kind, whole layer (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.repeats)))
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        kind, T, repeats, mode = args.child[0], int(args.child[1]), int(args.child[2]), args.child[3]
+        print(json.dumps(measure_core(T, repeats) if kind == "core" else
+                         measure(kind, T, repeats, mode == "cache", LONG_WIDTH if mode == "long" else WIDTH)))
         return
-    rows = {}
-    for T in args.lengths:
-        for kind in ("full", "compressed"):
-            out = subprocess.run([sys.executable, __file__, "--child", kind, str(T), "--repeats", str(args.repeats)],
-                                 check=True, capture_output=True, text=True).stdout
-            rows[kind, T] = json.loads(out.strip().splitlines()[-1])
-    print(f"{'T':>6} {'kind':>10} {'time ms':>9} {'peak MiB':>9} {'cache B/tok':>11}")
-    for (kind, T), r in rows.items():
-        print(f"{T:>6} {kind:>10} {r['time_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**20:9.1f} "
-              f"{r['cache_bytes_per_token']:11.1f}")
-    print(f"{'T':>6} {'time':>9} {'memory':>9} {'cache':>9} {'work (16+T/8)/T':>16}  (ratios compressed/full)")
-    ratios = {}
-    for T in args.lengths:
-        c, f = rows["compressed", T], rows["full", T]
-        ratios[T] = (c["time_s"] / f["time_s"], c["peak_bytes"] / max(f["peak_bytes"], 1),
-                     c["cache_bytes_per_token"] / f["cache_bytes_per_token"])
-        print(f"{T:>6} {ratios[T][0]:9.3f} {ratios[T][1]:9.3f} {ratios[T][2]:9.3f} {(16 + T / 8) / T:16.3f}")
     T = args.lengths[-1]
-    print(f"time_ratio@{T}={ratios[T][0]:.3f} memory_ratio@{T}={ratios[T][1]:.3f} cache_ratio@{T}={ratios[T][2]:.3f}")
+    rows = {(kind, n): _child(args.threads, kind, str(n), str(args.repeats), "cache" if n == T else "plain")
+            for n in args.lengths for kind in ("full", "compressed")}
+    if args.long:
+        rows.update({(kind, args.long): _child(args.threads, kind, str(args.long), "1", "long")
+                     for kind in ("full", "compressed")})
+    core = _child(args.threads, "core", str(T), str(args.repeats), "plain")
+    print(f"{'T':>6} {'kind':>10} {'time ms':>9} {'peak MiB':>9} {'cache B/tok':>11}")
+    for (kind, n), r in rows.items():
+        print(f"{n:>6} {kind:>10} {r['time_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**20:9.1f} "
+              f"{r.get('cache_bytes_per_token', float('nan')):11.1f}")
+    print(f"core at T={T}: causal SDPA {core['full_s'] * 1e3:.1f} ms, compressed {core['compressed_s'] * 1e3:.1f} ms")
+    print(f"{'T':>6} {'time':>9} {'memory':>9} {'work (16+T/8)/T':>16}  (ratios compressed/full; "
+          f"T={args.long}: quarter width, time only)")
+    ratio = {}
+    for n in sorted({n for _, n in rows}):
+        c, f = rows["compressed", n], rows["full", n]
+        ratio[n] = (c["time_s"] / f["time_s"], c["peak_bytes"] / max(f["peak_bytes"], 1))
+        print(f"{n:>6} {ratio[n][0]:9.3f} {ratio[n][1]:9.3f} {(16 + n / 8) / n:16.3f}")
+    cache = rows["compressed", T]["cache_bytes_per_token"] / rows["full", T]["cache_bytes_per_token"]
+    long = f" time_ratio@{args.long}={ratio[args.long][0]:.3f}" if args.long else ""
+    print(f"core_ratio@{T}={core['compressed_s'] / core['full_s']:.3f} time_ratio@{T}={ratio[T][0]:.3f}{long} "
+          f"memory_ratio@{T}={ratio[T][1]:.3f} cache_ratio@{T}={cache:.3f}")
 
 
 if __name__ == "__main__":

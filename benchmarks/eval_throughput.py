@@ -48,8 +48,9 @@ def main() -> None:
         best[mode], predictions[mode] = min(times), [r["prediction"] for r in records]
     assert predictions["multi_query"] == predictions["single"], "multi-query and one-by-one predictions differ"
 
+    W, S = config.options(config.compressor).geometry()
     print(f"model {CONFIG.name} (random init): {config.num_hidden_layers} layers, width {config.hidden_size}, "
-          f"{config.compressor} W{config.window}/S{config.stride}; {len(eval_set.contexts)} contexts, "
+          f"{config.compressor} W{W}/S{S}; {len(eval_set.contexts)} contexts, "
           f"{n_prompts} prompts of {eval_set.prompt_length} tokens; batch size {args.batch_size}; "
           f"best of {args.repeats}; 1 thread; predictions identical")
     print(f"{'mode':>12} {'best s':>8} {'prompts/s':>10}")

@@ -46,6 +46,26 @@ def test_cache_copy_is_independent():
     torch.testing.assert_close(rows, a.repeat(4, 1, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layers", [dict(compressor="gated", window=4, stride=4),
+                                    dict(layer_types=["full", "sliding"])])
+def test_shared_cache_is_read_in_place_and_equals_a_repeated_copy(layers):
+    torch.manual_seed(0)
+    model = build_model(tiny(**layers)).eval()
+    ids = torch.randint(0, 64, (2, 23))
+    with torch.no_grad():
+        cache = KVCache()
+        model(ids[:, :20], cache=cache)
+        before = [(t.data_ptr(), t.clone()) for lc in cache.layers for t in lc.tensors()]
+        shared = cache.shared(3)
+        assert [t.data_ptr() for lc in shared.layers for t in lc.tensors()] == [p for p, _ in before]
+        queries = ids[:, 20:].repeat_interleave(3, dim=0)  # (6, 3): context-major rows
+        fast = model(queries, cache=shared)
+        slow = model(queries, cache=cache.repeat_interleave(3))
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    for (ptr, value), t in zip(before, [t for lc in cache.layers for t in lc.tensors()], strict=True):
+        assert t.data_ptr() == ptr and torch.equal(t, value)  # the shared cache was never written
+
+
 @pytest.mark.parametrize("window, stride", [(8, 8), (8, 4)])
 def test_cache_bytes_follow_local_window_plus_entries(window, stride):
     torch.manual_seed(0)

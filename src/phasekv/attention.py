@@ -10,10 +10,11 @@ Full layers use PyTorch SDPA.
 Layout: per-head tensors are (B, KVH, G, T, D) with query head h = kvh * G + g (as HF's
 `repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).
 
-The fast path tiles queries in blocks and reads the local window as a strided view, so time and
-memory grow like T * (local_window + T / S); `windowed_attention_reference` is the per-query loop
-it is tested against.  Both the training forward and cached inference run the same code: the
-training forward is cached inference that starts from an empty cache.
+The fast path tiles queries in blocks, one fused SDPA call per block over the block's raw tokens and
+the entries it may see, so time and memory grow like T * (block + local_window + T / S);
+`windowed_attention_reference` is the per-query loop it is tested against.  Both the training
+forward and cached inference run the same code: the training forward is cached inference that
+starts from an empty cache.
 """
 
 from __future__ import annotations
@@ -48,15 +49,27 @@ def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
     return torch.where(t >= window - 1, done * stride + window, torch.zeros_like(t))
 
 
-def _entry_mask(vis: Visible, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-    """(B or 1, Tq, n) True where entry j is usable by the query (q_pos on the compute device)."""
-    ok = (vis.entries_end[:n].to(q_pos.device)[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
-    sel = vis.selection
-    if sel is not None and n > sel.k:
-        scores = sel.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
-        keep = scores.topk(sel.k, dim=-1).indices
+def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Tensor) -> torch.Tensor:
+    """(B or 1, Tq, n) True where entry j (window end ends[j]) is usable by the query at q_pos (all on the
+    compute device); `selection` holds these queries' rows."""
+    ok = (ends[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
+    n = ends.shape[0]
+    if selection is not None and n > selection.k:
+        scores = selection.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
+        keep = scores.topk(selection.k, dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
         ok = ok & chosen
+    return ok
+
+
+def _raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int, int] | None) -> torch.Tensor:
+    """(nb, nb+local-1) True where a block's query i (position q_pos[i]) may read raw key j (position kp[j]):
+    its own window is keys i..i+local-1, without empty slots and, with `tail`, without compressed tokens."""
+    nb = q_pos.shape[0]
+    rel = torch.arange(kp.shape[0], device=kp.device)[None, :] - torch.arange(nb, device=kp.device)[:, None]
+    ok = (rel >= 0) & (rel < local) & (kp >= 0)[None, :]
+    if tail is not None:
+        ok = ok & (kp[None, :] >= tail_start(q_pos, *tail)[:, None])
     return ok
 
 
@@ -70,41 +83,55 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     (B, KVH, local-1+Tq, D) hold the `local - 1` raw tokens before the queries (position -1 = empty
     slot) then the queries' own.
     `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
+
+    One fused `scaled_dot_product_attention` call per block of queries a..b-1 over the keys
+    [raw tokens a-local+1 .. b-1 | sink | entries visible to the block's last query], under an additive
+    float mask (PyTorch's CPU kernel takes a float mask at no extra cost, a boolean one at about twice
+    the time).  Keys, values and mask live in buffers filled once: per block only the raw keys and the
+    mask columns that change are rewritten (entries visible to every query of the block stay at 0).
+    The sink is a key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
     B, KVH, G, Tq, D = q.shape
-    scale = 1.0 / math.sqrt(D)
-    out = torch.empty_like(q)
-    n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    H = KVH * G
+    qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
+    # (B, H, Tq, D) view of (B, Tq, H, D) storage: the layer's o_proj input is then a view, not a copy
+    out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    nq, n_total = min(block, Tq), 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    R, E = nq + local - 1, int(sink is not None)  # raw key slots, sink slots; entries start at R + E
+    keys = k_all.new_zeros(B, KVH, R + E + n_total, D)  # (B, KVH, R+E+N, D)
+    vals = v_all.new_zeros(B, KVH, R + E + n_total, D)
+    if n_total:
+        keys[:, :, R + E:], vals[:, :, R + E:] = vis.entries_k, vis.entries_v
+    # masks depend on (batch, query, key) and on the head only through the sink
+    mask = q.new_zeros(B if vis.selection is not None else 1, H if E else 1, nq, R + E + n_total)
+    if E:
+        mask[:, :, :, R] = sink.to(q.dtype).view(1, H, 1)
+    zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
+    q_dev = q_pos.to(k_pos.device)
+    ends = vis.entries_end.to(k_pos.device) if n_total else None
+    band = False  # the mask's raw columns hold the band of a full block whose slots are all filled
+    done = 0  # entries visible to every query of the previous block: their mask columns are already 0
     for a in range(0, Tq, block):
         b = min(a + block, Tq)
-        qb, pos = q[:, :, :, a:b], q_pos[a:b].to(k_pos.device)
-        kl = k_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
-        vl = v_all[:, :, a:b + local - 1].unfold(2, local, 1)  # (B, KVH, nb, D, L)
-        kp = k_pos[a:b + local - 1].unfold(0, local, 1)  # (nb, L)
-        ok_local = kp >= 0
-        if tail is not None:
-            ok_local = ok_local & (kp >= tail_start(pos, *tail)[:, None])
-        logits = [torch.einsum("bkgtd,bktdl->bkgtl", qb, kl)]  # (B, KVH, G, nb, L)
-        masks = [ok_local[None]]  # (1, nb, L): masks depend on (batch, query, key), never on the head
-        n = int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # entries any query here sees
+        nb, n = b - a, int((vis.entries_end <= q_pos[b - 1]).sum()) if n_total else 0  # host: no device sync
+        keys[:, :, :nb + local - 1] = k_all[:, :, a:b + local - 1]
+        vals[:, :, :nb + local - 1] = v_all[:, :, a:b + local - 1]
+        m = mask[:, :, :nb]  # (B|1, H|1, nb, R+E+N)
+        regular = tail is None and nb == nq and a >= local - 1  # slots before index local-1 may be empty
+        if not (regular and band):
+            ok = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)  # (nb, nb+L-1)
+            m[..., :R] = torch.where(F.pad(ok, (0, R - ok.shape[1])), zero, minus_inf)
+            band = regular
         if n:
-            ek = vis.entries_k[:, :, :n]
-            logits.append(torch.einsum("bkgtd,bknd->bkgtn", qb, ek))  # (B, KVH, G, nb, n)
-            sub = Visible(vis.entries_k, vis.entries_v, vis.entries_end,
-                          None if vis.selection is None else vis.selection.rows(a, b))
-            masks.append(_entry_mask(sub, pos, n))  # (1 or B, nb, n)
-        if sink is not None:
-            logits.append(sink.view(1, KVH, G, 1, 1).expand(B, -1, -1, b - a, 1).to(q.dtype) / scale)
-            masks.append(torch.ones(1, b - a, 1, dtype=torch.bool, device=q.device))
-        width = max(m.shape[0] for m in masks)
-        mask = torch.cat([m.expand(width, -1, -1) for m in masks], dim=-1)[:, None, None]  # (B|1, 1, 1, nb, M)
-        scores = (torch.cat(logits, dim=-1) * scale).masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        res = torch.einsum("bkgtl,bktdl->bkgtd", probs[..., :local], vl)
-        if n:
-            res = res + torch.einsum("bkgtn,bknd->bkgtd", probs[..., local:local + n], vis.entries_v[:, :, :n])
-        out[:, :, :, a:b] = res
-    return out
+            first = 0 if vis.selection is not None else done  # a selection may change any column
+            sel = None if vis.selection is None else vis.selection.rows(a, b)
+            ok = _entry_mask(ends[first:n], sel, q_dev[a:b])  # (1 or B, nb, n-first)
+            m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)[:, None]
+            done = int((vis.entries_end <= q_pos[a]).sum())
+        M = R + E + n
+        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], keys[:, :, :M], vals[:, :, :M],
+                                                        attn_mask=m[..., :M], enable_gqa=True)
+    return out.view(B, KVH, G, Tq, D)
 
 
 def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
@@ -182,6 +209,8 @@ class Attention(nn.Module):
         """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
         B, T, _ = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if cache is not None and cache.repeats > 1:
+            cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
         pos = torch.arange(start, start + T, device=x.device)
         q = self._norm_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), "q_norm", pos)  # (B, H, T, D)
         k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D).transpose(1, 2), "k_norm", pos)  # (B, KVH, T, D)

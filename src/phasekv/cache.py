@@ -10,12 +10,13 @@ Full layers keep every key and value.  Sliding and compressed layers keep
 So a compressed layer holds about (local_window + T / S) tokens' worth of K/V at T tokens.
 
 Usage: `cache = KVCache()`, then `model(ids, cache=cache)` repeatedly; `cache.copy()` forks a
-prefilled context (multi-query evaluation), `cache.nbytes()` reports the memory.
+prefilled context, `cache.shared(n)` lets n query rows per context read it once without copying it
+(multi-query evaluation), `cache.nbytes()` reports the memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -34,6 +35,8 @@ class LayerCache:
     entries_k: torch.Tensor | None = None  # (B, KVH, N, D)
     entries_v: torch.Tensor | None = None  # None when tied
     entries_end: torch.Tensor | None = None  # (N,), on the CPU: visibility is decided on the host
+    # > 1: a read-only view in which each of the B cached contexts serves `repeats` consecutive rows
+    repeats: int = 1
 
     @classmethod
     def empty_windowed(cls, B: int, KVH: int, L: int, D: int, hidden: int, dtype, device) -> LayerCache:
@@ -54,6 +57,18 @@ class LayerCache:
         self.entries_k = torch.cat([self.entries_k, k], dim=2)
         self.entries_v = None if v is None else torch.cat([self.entries_v, v], dim=2)
         self.entries_end = torch.cat([self.entries_end, end])
+
+    def expanded(self) -> LayerCache:
+        """A fresh cache with each context repeated `repeats` times along the batch: the forward of one
+        layer extends this transient copy and drops it, so the shared cache is read, never written."""
+        def repeat(name: str, value):
+            # positions carry no batch dimension; everything else gets fresh repeated storage
+            if not isinstance(value, torch.Tensor) or name in ("raw_pos", "entries_end"):
+                return value
+            return value.repeat_interleave(self.repeats, dim=0)
+
+        return LayerCache(**{f.name: repeat(f.name, getattr(self, f.name))
+                             for f in fields(self) if f.name != "repeats"})
 
     def values(self) -> torch.Tensor:
         return self.entries_k if self.entries_v is None else self.entries_v
@@ -102,16 +117,18 @@ class KVCache:
     def repeat_interleave(self, n: int) -> KVCache:
         """Each of the B cached contexts repeated n times along the batch (row b*n + i is context b),
         as an independent cache; the original is untouched."""
-        def repeat(name: str, value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            # positions carry no batch dimension; everything else gets fresh repeated storage
-            return value.clone() if name in ("raw_pos", "entries_end") else value.repeat_interleave(n, dim=0)
-
-        layers = None if self.layers is None else [
-            LayerCache(**{f.name: repeat(f.name, getattr(lc, f.name)) for f in fields(lc)}) if lc else None
-            for lc in self.layers]
+        shared = self.shared(n)
+        layers = None if shared.layers is None else [lc.expanded() if lc else None for lc in shared.layers]
         return KVCache(layers, self.length)
+
+    def shared(self, n: int) -> KVCache:
+        """A read-only view for ONE forward of n rows per cached context (row b*n + i is context b): no
+        tensor is copied up front; each layer repeats its own part only while it runs (`expanded`), so
+        memory holds one layer's repeated copy at a time.  The view is spent after that forward."""
+        layers = None if self.layers is None else [
+            replace(lc, repeats=lc.repeats * n) if lc else None for lc in self.layers]
+        return KVCache(layers, self.length)
+
 
 def _clone(value):
     return value.clone() if isinstance(value, torch.Tensor) else value

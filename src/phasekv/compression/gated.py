@@ -62,14 +62,23 @@ class OffsetGatedCompressor(Compressor):
         return out
 
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden)
+        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden): a strided view, no copy
         B, N, W, _ = hw.shape
+        KVH, D, G = self.num_kv_heads, self.head_dim, self.gate_dim
+        maps = {branch: self.maps(branch) for branch in self.branches}
+        # every branch's payload map and gate map side by side: one batched matmul over the windows
+        mats = [m for c, z, _ in maps.values() for m in (c, z) if m is not None]  # (W, hidden, width) each
+        fused = torch.einsum("bnwc,wcf->bnwf", hw, torch.cat(mats, dim=-1))  # (B, N, W, sum of widths)
+        parts = iter(fused.split([m.shape[-1] for m in mats], dim=-1))
         out = {}
-        for branch in self.branches:
-            c, z, b = self.maps(branch)
-            payload = torch.einsum("bnwc,wcf->bnwf", hw, c)  # (B, N, W, KVH*D)
-            payload = payload.view(B, N, W, self.num_kv_heads, self.head_dim)  # (B, N, W, KVH, D)
-            entry = (self._alpha(hw, z, b) * payload).sum(dim=2)  # (B, N, KVH, D)
+        for branch, (_, z, b) in maps.items():
+            payload = next(parts).view(B, N, W, KVH, D)  # (B, N, W, KVH, D)
+            if z is None:  # uniform averaging
+                entry = payload.mean(dim=2)
+            else:
+                logits = next(parts) if b is None else next(parts) + b  # (B, N, W, KVH*G)
+                alpha = torch.softmax(logits.view(B, N, W, KVH, G).float(), dim=2).to(h.dtype)  # (B, N, W, KVH, G)
+                entry = (alpha * payload).sum(dim=2)  # (B, N, KVH, D)
             out[branch] = self._post_norm(branch, entry)
         return out["k"], out.get("v")
 

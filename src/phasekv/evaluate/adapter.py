@@ -65,6 +65,10 @@ class Adapter:
 
 
 class PhaseKVAdapter(Adapter):
+    # continue_from reads the cache in place (KVCache.shared), so one call may continue many contexts'
+    # queries at once without a copy of the cache per query
+    shares_cache = True
+
     def __init__(self, model: nn.Module, name: str = "phasekv"):
         cfg = model.config
         self.module, self.device = model.eval(), next(model.parameters()).device
@@ -88,7 +92,7 @@ class PhaseKVAdapter(Adapter):
 
     @torch.no_grad()
     def continue_from(self, cache: KVCache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        return self.module(ids.to(self.device), cache=cache.repeat_interleave(repeats))
+        return self.module(ids.to(self.device), cache=cache.shared(repeats))
 
 
 class HFAdapter(Adapter):

@@ -63,7 +63,11 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
         with tqdm(total=len(eval_set.queries()), desc=desc, unit="prompt", disable=not progress,
                   leave=False) as bar:
             for (n_q, _), members in groups.items():
-                per_batch = max(1, batch_size // n_q) if n_q <= batch_size else 1
+                # an adapter that continues from a shared cache (no copy per query) prefills batch_size
+                # contexts per forward, as many prompts as a one-by-one forward; others keep about
+                # batch_size query rows (and cache copies) per continuation
+                shared = getattr(adapter, "shares_cache", False)
+                per_batch = batch_size if shared else max(1, batch_size // n_q)
                 for chunk in _batches(members, per_batch):
                     ids = torch.tensor([contexts[i].ids for i in chunk])
                     cache = adapter.prefill(ids)
