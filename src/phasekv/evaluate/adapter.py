@@ -41,6 +41,7 @@ class Adapter:
     info: ModelInfo
     module: nn.Module
     device: torch.device
+    shares_cache = False  # True: continue_from reads the prefilled cache without copying it per query row
 
     def attention_layers(self) -> list[nn.Module]:
         """The attention module of each layer (exposing `o_proj`)."""

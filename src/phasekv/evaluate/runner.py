@@ -2,7 +2,8 @@
 
 Two equivalent strategies (tested to agree):
   - multi-query: contexts are prefilled once, in batches, and each context's queries continue from
-    copies of its cache (one short forward per query instead of one long one);
+    its cache (one short forward per query instead of one long one): read through a shared view for
+    adapters that declare `shares_cache` (phasekv models), from copies otherwise;
   - one-by-one: every full prompt is its own forward pass (the reference, and the fallback).
 `evaluate` writes the run's files: metrics.json (schema in the README), predictions.jsonl and
 accuracy_by_residue.png.
@@ -66,7 +67,7 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
                 # an adapter that continues from a shared cache (no copy per query) prefills batch_size
                 # contexts per forward, as many prompts as a one-by-one forward; others keep about
                 # batch_size query rows (and cache copies) per continuation
-                shared = getattr(adapter, "shares_cache", False)
+                shared = adapter.shares_cache
                 per_batch = batch_size if shared else max(1, batch_size // n_q)
                 for chunk in _batches(members, per_batch):
                     ids = torch.tensor([contexts[i].ids for i in chunk])

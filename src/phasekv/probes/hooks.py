@@ -31,6 +31,7 @@ class QueryOnly(Adapter):
 
     def __init__(self, inner: Adapter):
         self.inner, self.info, self.module, self.device = inner, inner.info, inner.module, inner.device
+        self.shares_cache = inner.shares_cache
         self.armed = True  # read by the hooks at call time
 
     def attention_layers(self) -> list[nn.Module]:
