@@ -86,7 +86,9 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
                 bar.update()
     records = []
     for q, pred in zip(eval_set.queries(), preds, strict=True):
+        answer_position = q.target_position + len(q.key)  # the record's first value token
         records.append({"target_position": q.target_position, "residue": q.residue, "phase": q.phase,
+                        "answer_position": answer_position, "answer_phase": answer_position % eval_set.stride,
                         "protocol": q.protocol, "shift": q.shift, "cluster": q.cluster, "record": q.record,
                         "answer": q.answer, "prediction": int(pred), "correct": int(pred) == q.answer})
     return records
