@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -38,8 +39,6 @@ def run(args) -> dict[str, Any]:
     for name in ("window", "stride", "records", "prompts_per_phase", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    from pathlib import Path
-
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads < 0:
         raise ValueError(f"--threads: must be >= 0, got {args.threads}")

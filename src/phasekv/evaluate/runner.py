@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +103,13 @@ def evaluate(adapter: Adapter, eval_set: EvalSet, out: str | Path | None = None,
 
 
 def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]], out: str | Path | None,
-              seed: int = 0, n_boot: int = 2000, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """metrics.json (statistics + position matching + settings), predictions.jsonl and the figure."""
+              seed: int = 0, n_boot: int = 2000, extra: dict[str, Any] | None = None,
+              judge: Callable[[dict, float], dict] = task_verdict) -> dict[str, Any]:
+    """metrics.json (statistics + position matching + settings + `judge`'s chance and verdict),
+    predictions.jsonl and the figure."""
     metrics = summarize(records, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
                         n_boot=n_boot, seed=seed)
-    metrics.update(task_verdict(metrics, eval_set.chance))
+    metrics.update(judge(metrics, eval_set.chance))
     metrics.update({
         "protocol": eval_set.protocol,
         "model": adapter.info.name,

@@ -32,6 +32,7 @@ from phasekv.config import PROTOCOLS
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.data.protocols import build_eval_set
 from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.metrics import task_verdict
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.figures.evaluation import plot_residue_curves
 from phasekv.outputs import output_dir
@@ -56,29 +57,25 @@ def condition_adapter(base: Adapter, condition: str, window: int, stride: int, l
     return PosthocAdapter(base, condition, window=window, stride=stride, local_window=local_window)
 
 
-def compressed_verdict(m: dict[str, Any]) -> str:
-    """The verdict of a compressed condition of a model that passed the capability gate: a collapse to
+def compressed_verdict(m: dict[str, Any], chance: float) -> dict[str, Any]:
+    """`task_verdict` for a compressed condition of a model that passed the capability gate: a collapse to
     chance at most phases is the finding, not an inability to do the task."""
-    tail = f"accuracy {100 * m['mean_accuracy']:.1f}%, chance {100 * m['chance']:.1f}%"
+    result = task_verdict(m, chance)
+    tail = f"accuracy {100 * m['mean_accuracy']:.1f}%, chance {100 * chance:.1f}%"
     if m["flatness_p"] < 0.05:
-        return (f"phase sensitive: period {m['detected_period']}, gap {m['max_gap_pp']:.1f} pp "
-                f"(flatness p = {m['flatness_p']:.3g}; {tail})")
-    if not m["can_do_task"]:
-        return f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
-    return f"no phase effect detected: gap {m['max_gap_pp']:.1f} pp, flatness p = {m['flatness_p']:.3g} ({tail})"
+        result["verdict"] = (f"phase sensitive: period {m['detected_period']}, gap {m['max_gap_pp']:.1f} pp "
+                             f"(flatness p = {m['flatness_p']:.3g}; {tail})")
+    elif not result["can_do_task"]:
+        result["verdict"] = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
+    return result
 
 
 def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int, progress: bool,
               gated: bool) -> dict[str, Any]:
     """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate."""
     records = predict(adapter, eval_set, batch_size, True, progress, desc=f"{out.parent.name} {eval_set.protocol}")
-    metrics = write_run(adapter, eval_set, records, out, seed)
-    result = {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
-    if gated:
-        result["verdict"] = compressed_verdict(result)
-        (out / "metrics.json").write_text(json.dumps({**metrics, "verdict": result["verdict"]}, indent=2,
-                                                     sort_keys=True) + "\n")
-    return result
+    metrics = write_run(adapter, eval_set, records, out, seed, judge=compressed_verdict if gated else task_verdict)
+    return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
 
 
 def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "records",
