@@ -44,7 +44,7 @@ from phasekv.train import read_metrics, train
 
 log = logging.getLogger(__name__)
 
-BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform"]
+BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger"]
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
