@@ -73,3 +73,17 @@ def test_eval_and_audit_commands_take_a_format(tmp_path):
                  "--compress", "none", "mean", "--out", str(tmp_path / "audit"), "--no-progress"]) == 0
     summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
     assert list(summary["conditions"]) == ["none"] and not summary["can_do_task"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--press", "knorm"], "kvpress presses are not available"),
+    (["--compress", "none", "select:99"], "select"),
+    (["--compress", "none", "squash"], "squash"),
+    (["--window", "4", "--stride", "8"], "stride"),
+])
+def test_audit_refuses_bad_conditions_before_loading_a_model(tmp_path, capsys, flags, message):
+    from phasekv.cli import main
+
+    code = main(["audit", "--hf", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0] and not (tmp_path / "o").exists()

@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compress", nargs="+", default=["none", "select:3+keep-first:1", "mean+keep-first:1"],
                    metavar="COND", help="conditions: none, select:r, mean, max-norm, each optionally "
                                         "+keep-first:n (the attention sink)")
+    p.add_argument("--press", action="append", default=[], metavar="NAME",
+                   help="a kvpress press as one more condition (press:NAME); not available with transformers 5.24")
     p.add_argument("--window", type=int, default=8, help="W: tokens per compressed entry")
     p.add_argument("--stride", type=int, default=8, help="S: a window starts every S tokens (phase = position mod S)")
     p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
@@ -34,7 +36,7 @@ def add_parser(sub) -> None:
 def run(args) -> dict[str, Any]:
     from phasekv.evaluate.hf import load_hf
     from phasekv.outputs import check_output_dir
-    from phasekv.report.audit import run_audit
+    from phasekv.report.audit import check_conditions, run_audit
 
     for name in ("window", "stride", "records", "prompts_per_phase", "batch_size"):
         if getattr(args, name) < 1:
@@ -46,8 +48,10 @@ def run(args) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)
+    conditions = (*args.compress, *(f"press:{name}" for name in args.press))
+    check_conditions(conditions, args.window, args.stride, args.local_window)  # before loading the model
     adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
-    summary = run_audit(adapter, tokenizer, args.out, args.format, tuple(args.compress), args.window, args.stride,
+    summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
                         args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
                         args.batch_size, args.force, not args.no_progress)
     for name, result in summary["conditions"].items():

@@ -9,7 +9,8 @@ and evaluate it under each condition:
     select:r, mean, max-norm[+keep-first:n]
                     post-hoc chunk compression of the prefilled cache (`phasekv.evaluate.posthoc`):
                     one entry per window of W tokens every S tokens, older than the local window
-    press:NAME      a kvpress press applied during prefill (`phasekv.evaluate.presses`)
+    press:NAME      a kvpress press applied during prefill: refused with one line for now (kvpress 0.5.5
+                    pins transformers < 5.3; phasekv needs >= 5.24)
 
 Both padding protocols (exact position matching), per-phase accuracy with intervals, the chance
 level, the detected period and a one-line verdict per condition go into OUT/summary.json (the one
@@ -44,14 +45,24 @@ log = logging.getLogger(__name__)
 AUDIT_KEYS = (*METRIC_KEYS, "chance", "can_do_task", "verdict")
 
 
+def check_conditions(conditions: tuple[str, ...], window: int, stride: int, local_window: int) -> None:
+    """One-line ValueError for any condition that cannot be evaluated, before a model is loaded."""
+    from phasekv.evaluate.posthoc import check_geometry, parse_policy
+
+    check_geometry(window, stride, local_window)
+    for condition in conditions:
+        if condition.startswith("press:"):
+            raise ValueError(f"--press {condition[len('press:'):]}: kvpress presses are not available: kvpress "
+                             "0.5.5 requires transformers < 5.3 and phasekv needs >= 5.24 (use the post-hoc "
+                             "conditions select:r, mean, max-norm)")
+        if condition != "none":
+            parse_policy(condition, window)
+
+
 def condition_adapter(base: Adapter, condition: str, window: int, stride: int, local_window: int) -> Adapter:
     """The adapter that evaluates `base` under one condition (see the module docstring)."""
     if condition == "none":
         return base
-    if condition.startswith("press:"):
-        from phasekv.evaluate.presses import PressAdapter, build_press
-
-        return PressAdapter(base, build_press(condition[len("press:"):]))
     from phasekv.evaluate.posthoc import PosthocAdapter
 
     return PosthocAdapter(base, condition, window=window, stride=stride, local_window=local_window)
@@ -87,6 +98,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
     if "none" not in conditions:
         conditions = ("none", *conditions)  # the capability gate always runs first
     conditions = ("none", *[c for c in conditions if c != "none"])
+    check_conditions(conditions, window, stride, local_window)
     vocab = FormatVocabulary(load_format(fmt), tokenizer)
     kt, vt = vocab.record_shape
     started = time.perf_counter()
