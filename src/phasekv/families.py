@@ -52,9 +52,10 @@ def _build(config: Any) -> nn.Module:
     return model
 
 
-def build(config: ModelConfigLike) -> nn.Module:
-    """A freshly initialized causal LM of either family (seed torch first for reproducible weights)."""
-    check_fits(config)
+def build(config: ModelConfigLike, copies: float = 1.0) -> nn.Module:
+    """A freshly initialized causal LM of either family (seed torch first for reproducible weights), refused
+    beforehand when `copies` times its weights would not fit in memory (4 for training with AdamW)."""
+    check_fits(config, copies=copies)
     return _build(config)
 
 

@@ -273,9 +273,8 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
                          f"{dd.world * cfg.grad_accum}")
     run = Path(out)
     vocab = Vocabulary.from_data_config(exp.data)
-    families.check_fits(exp.model, copies=4)  # weights, gradients and two AdamW moments
     torch.manual_seed(cfg.seed)
-    model = families.build(exp.model)
+    model = families.build(exp.model, copies=4)  # weights, gradients and two AdamW moments must fit
     _check_trainable(model, exp, vocab)
     model = model.to(dd.device)
     optimizer = build_optimizer(model, cfg)
