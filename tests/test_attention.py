@@ -62,3 +62,27 @@ def test_query_block_size_does_not_change_logits():
         with torch.no_grad():
             outs.append(model(ids))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sink, topk", [(False, 0), (True, 2)])
+def test_gradients_over_several_blocks_match_reference(sink, topk):
+    """Training runs many query blocks through shared buffers: every input's gradient equals the reference's
+    (a buffer rewritten after SDPA saved it would raise or corrupt the backward pass)."""
+    torch.manual_seed(1)
+    B, KVH, G, T, D, L, N, W, S = 1, 2, 2, 23, 8, 5, 6, 8, 4
+    leaves = {"q": torch.randn(B, KVH, G, T, D), "k": torch.randn(B, KVH, L - 1 + T, D),
+              "v": torch.randn(B, KVH, L - 1 + T, D), "ek": torch.randn(B, KVH, N, D),
+              "ev": torch.randn(B, KVH, N, D), "sink": torch.randn(KVH * G)}
+    k_pos = torch.cat([torch.full((L - 1,), -1), torch.arange(T)])
+    ends = torch.arange(N) * S + W - 1
+    select = Selection(torch.randn(B, T, N), topk) if topk else None
+    grads = []
+    for fn, kw in ((windowed_attention, {"block": 4}), (windowed_attention_reference, {})):
+        x = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+        vis = Visible(x["ek"], x["ev"], ends, select)
+        out = fn(x["q"], torch.arange(T), x["k"], x["v"], k_pos, L, vis, x["sink"] if sink else None, None, **kw)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append({name: t.grad for name, t in x.items() if t.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == (6 if sink else 5)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5)

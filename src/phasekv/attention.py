@@ -109,6 +109,8 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
     q_dev = q_pos.to(k_pos.device)
     ends = vis.entries_end.to(k_pos.device) if n_total else None
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k_all, v_all, vis.entries_k, vis.entries_v, sink))
     band = False  # the mask's raw columns hold the band of a full block whose slots are all filled
     done = 0  # entries visible to every query of the previous block: their mask columns are already 0
     for a in range(0, Tq, block):
@@ -129,8 +131,10 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
             m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)[:, None]
             done = int((vis.entries_end <= q_pos[a]).sum())
         M = R + E + n
-        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], keys[:, :, :M], vals[:, :, :M],
-                                                        attn_mask=m[..., :M], enable_gqa=True)
+        kb, vb, mb = keys[:, :, :M], vals[:, :, :M], m[..., :M]
+        if grad:  # autograd saves SDPA's inputs: the next block must not overwrite them
+            kb, vb, mb = kb.clone(), vb.clone(), mb.clone()
+        out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], kb, vb, attn_mask=mb, enable_gqa=True)
     return out.view(B, KVH, G, Tq, D)
 
 
