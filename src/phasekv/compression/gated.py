@@ -120,6 +120,9 @@ class GatedOptions(CompressorOptions):
     gate_bias: bool = True
     post_norm: bool = False  # RMSNorm on each compressed entry after the payload sum
     uniform: bool = False  # alpha = 1/W, no gate parameters
+    # per_offset: own payload map C_i per offset (the paper); shared: one map C for every offset (gates and
+    # biases stay per offset), so an offset is chosen by its gate alone and gate cycling is a pure roll
+    payload: str = spec("per_offset", choices=("per_offset", "shared"))
 
     def validate(self) -> None:
         if self.stride > self.window:
@@ -139,15 +142,18 @@ class GatedCompressor(OffsetGatedCompressor):
         W, hidden, F = self.window, config.hidden_size, self.num_kv_heads * self.head_dim
         G = self.num_kv_heads * self.gate_dim
         std = config.initializer_range
+        self.shared_payload = options.payload == "shared"
         for branch in self.branches:
-            setattr(self, f"{branch}_payload", nn.Parameter(torch.randn(W, hidden, F) * std))
+            n_maps = 1 if self.shared_payload else W
+            setattr(self, f"{branch}_payload", nn.Parameter(torch.randn(n_maps, hidden, F) * std))
             if not options.uniform:
                 setattr(self, f"{branch}_gate", nn.Parameter(torch.randn(W, hidden, G) * std))
                 if options.gate_bias:
                     setattr(self, f"{branch}_gate_bias", nn.Parameter(torch.zeros(W, G)))
 
     def maps(self, branch: str):
-        return (getattr(self, f"{branch}_payload"), getattr(self, f"{branch}_gate", None),
+        payload = getattr(self, f"{branch}_payload")  # (W or 1, hidden, F): a shared map serves every offset
+        return (payload.expand(self.window, -1, -1), getattr(self, f"{branch}_gate", None),
                 getattr(self, f"{branch}_gate_bias", None))
 
     def gate_parameters(self) -> dict[str, nn.Parameter]:

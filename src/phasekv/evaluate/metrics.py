@@ -45,6 +45,12 @@ What `summarize` computes, and why:
   anti-conservative when a cluster's prompts share a residue.  With singleton clusters the test
   reduces to the plain permutation chi-square test.  `null_gap_p95_pp` is the 95th percentile of
   the gap under the same relabellings: the gap that noise alone exceeds 5% of the time.
+* `within_flatness_p`: the same statistic with residue labels shuffled only inside each cluster
+  (no swap between clusters): a test conditional on each example, so an easy or hard example cannot
+  move it whatever the clusters' sizes.  `cochran_q`, `cochran_p`: Cochran's Q with clusters as
+  blocks, given when every cluster has exactly one prompt per residue (each example at every shift),
+  else None.  tests/test_metrics.py checks by simulation that both reject about 5% of flat nulls
+  with strong example effects, and have power against a phase effect.
 * `detected_period`: for every divisor d of R, the model "accuracy depends on residue mod d only"
   (d free accuracies, the residue groups pooled mod d) is fit by binomial maximum likelihood and
   scored with BIC = -2 log L + d log N (N prompts).  The divisor with the lowest BIC wins; ties go
@@ -69,7 +75,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.special import xlogy
-from scipy.stats import norm
+from scipy.stats import chi2, norm
 
 FIELDS = ("cluster", "target_position", "correct")
 _CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
@@ -149,13 +155,15 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     if len(empty):
         raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
     cluster_ids, cluster_idx = np.unique(cluster, return_inverse=True)
-    boot_rng, perm_rng, split_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    boot_rng, perm_rng, split_rng, within_rng = (np.random.default_rng(s)
+                                                 for s in np.random.SeedSequence(seed).spawn(4))
 
     mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
     kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
     crossfit = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
     flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
+    within_p, _ = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)
     period, scores = detect_period(k, n)
     k_phase, n_phase = k.reshape(R // S, S).sum(0), n.reshape(R // S, S).sum(0)
     acc, acc_phase = k / n, k_phase / n_phase
@@ -184,6 +192,9 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "flatness_p": flat_p,
         "flatness_test": "cluster permutation test, Pearson chi-square statistic of the residue x correct table",
         "null_gap_p95_pp": null_gap95,
+        "within_flatness_p": within_p,
+        "within_flatness_test": "within-example permutation test: residue labels shuffled inside each cluster only",
+        **cochran_q(kc, nc),
         "n_boot": int(n_boot),
         "n_perm": int(n_perm),
         "seed": int(seed),
@@ -315,12 +326,13 @@ def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, R: int, stride: int,
-                   n_perm: int, rng: np.random.Generator) -> tuple[float, float]:
+                   n_perm: int, rng: np.random.Generator, swap: bool = True) -> tuple[float, float]:
     """Cluster permutation p-value of "accuracy equal in all residue groups", and the null gap p95.
 
     Each relabelling gives every cluster the residue labels of a random cluster of the same size
-    (between-cluster swap) in random order (within-cluster shuffle).  Group sizes stay fixed, so
-    only the correct counts change.  p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm).
+    (between-cluster swap; `swap=False`: every cluster keeps its own labels, the within-example test)
+    in random order (within-cluster shuffle).  Group sizes stay fixed, so only the correct counts
+    change.  p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm).
     """
     k, n = _group_counts(residue, correct, R)
     observed = _chi_square(k, n)
@@ -339,7 +351,8 @@ def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.nda
         k_perm = np.zeros((b, R))
         for lab, hit in classes:
             m = lab.shape[0]
-            swapped = lab[rng.permuted(np.tile(np.arange(m), (b, 1)), axis=1)]  # (b, m, s)
+            swapped = (lab[rng.permuted(np.tile(np.arange(m), (b, 1)), axis=1)] if swap
+                       else np.broadcast_to(lab, (b, *lab.shape)))  # (b, m, s)
             shuffled = rng.permuted(swapped, axis=2)
             flat = (shuffled + R * np.arange(b)[:, None, None]).ravel()
             k_perm += np.bincount(flat, weights=np.broadcast_to(hit, shuffled.shape).ravel(),
@@ -349,6 +362,27 @@ def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.nda
     stats = np.concatenate(stats)
     exceed = np.count_nonzero(stats >= observed - 1e-9 * max(1.0, observed))
     return float((1 + exceed) / (1 + n_perm)), float(np.percentile(np.concatenate(gaps), 95))
+
+
+def cochran_q(kc: np.ndarray, nc: np.ndarray) -> dict[str, float | None]:
+    """Cochran's Q test of "accuracy equal in all residue groups" with clusters as blocks.
+
+    kc, nc: (C, R) correct / total counts per cluster and residue.  Defined when every cluster has
+    exactly one prompt per residue (a complete block design: each example at every shift); then
+    Q = (R - 1) (R sum_j T_j^2 - N^2) / (R N - sum_i B_i^2) with T_j the residue totals, B_i the
+    cluster totals and N the grand total, and p from chi-square with R - 1 degrees of freedom.
+    Otherwise (and when no cluster varies across residues, Q = 0/0) both are None.
+    """
+    if kc.shape[1] < 2 or not np.all(nc == 1):
+        return {"cochran_q": None, "cochran_p": None}
+    R = kc.shape[1]
+    col, row = kc.sum(0), kc.sum(1)
+    total = col.sum()
+    denominator = R * total - (row ** 2).sum()
+    if denominator <= 0:
+        return {"cochran_q": None, "cochran_p": None}
+    q = (R - 1) * (R * (col ** 2).sum() - total ** 2) / denominator
+    return {"cochran_q": float(q), "cochran_p": float(chi2.sf(q, R - 1))}
 
 
 def _percentile_ci(samples: np.ndarray) -> list[float]:
