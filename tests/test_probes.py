@@ -33,7 +33,7 @@ from phasekv.probes import (
     run_cycling,
     run_knockout,
 )
-from phasekv.probes.cycle import r_squared
+from phasekv.probes.cycle import averaged_payloads, r_squared, rolled_payloads
 from phasekv.probes.knockout import accuracies, relative_change
 
 W = 4
@@ -185,6 +185,10 @@ def test_run_knockout_writes_the_map(family, whole_layer, vocab, eval_set, tmp_p
         assert len(row["per_phase_rel_change_pct"]) == 4 and len(row["per_residue_rel_change_pct"]) == 8
         expected = [100 * (k - c) / c for k, c in zip(row["per_phase"], result["clean"]["per_phase"])]
         assert row["per_phase_rel_change_pct"] == pytest.approx(expected)
+        for acc, ci in zip(row["per_phase"], row["per_phase_ci"]):  # cluster bootstrap intervals
+            assert ci is not None and ci[0] - 1e-9 <= acc <= ci[1] + 1e-9
+        rel = row["mean_rel_change_ci_pct"]
+        assert rel is None or rel[0] <= rel[1]
     assert any(abs(v) > 0 for r in result["rows"] for v in r["per_phase_rel_change_pct"])
     assert json.loads((tmp_path / "knockout.json").read_text())["rows"] == result["rows"]
     assert (tmp_path / "knockout.png").stat().st_size > 0 and result["heatmap"].endswith("knockout.png")
@@ -312,6 +316,40 @@ def test_cycling_rolls_gates_only_and_restores_bit_for_bit(vocab):
         raise RuntimeError("boom")
     state = adapter.module.state_dict()
     assert all(torch.equal(state[k], v) for k, v in before.items())
+
+
+def test_cycling_controls_roll_or_average_the_payloads_and_restore(vocab, eval_set):
+    """Control 1 rolls payload maps with the gates; control 2 gives every offset the gate-weighted average
+    map; both restore every parameter bit for bit; a shared-payload model has no per-offset maps to move."""
+    adapter = phasekv_adapter(vocab)
+    before = {k: v.clone() for k, v in adapter.module.state_dict().items()}
+    c = adapter.module.model.layers[0].self_attn.compressor
+    with rolled_payloads(adapter, 2):
+        assert torch.equal(c.k_payload, torch.roll(before["model.layers.0.self_attn.compressor.k_payload"], 2, 0))
+        assert torch.equal(c.v_gate, torch.roll(before["model.layers.0.self_attn.compressor.v_gate"], 2, 0))
+    gates = gate_statistics(adapter, torch.tensor([p.ids for p in eval_set.prompts()[:8]]), progress=False)
+    with averaged_payloads(adapter, gates):
+        maps = c.k_payload.view(W, c.k_payload.shape[1], c.num_kv_heads, -1)
+        assert all(torch.allclose(maps[i], maps[0]) for i in range(W))
+        key = next(g for g in gates if (g["layer"], g["branch"], g["kv_head"]) == (0, "k", 1))
+        profile = torch.tensor(key["profile"])
+        original = before["model.layers.0.self_attn.compressor.k_payload"].view_as(maps)[:, :, 1]
+        torch.testing.assert_close(maps[0, :, 1], torch.einsum("w,wcd->cd", profile / profile.sum(), original))
+    state = adapter.module.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items())
+    shared = phasekv_adapter(vocab, payload="shared")
+    assert shared.module.model.layers[0].self_attn.compressor.k_payload.shape[0] == 1
+    result = run_cycling(shared, eval_set, deltas=[0], progress=False)
+    assert "controls" not in result and result["deltas"][0]["matches_clean"]
+
+
+def test_cycling_reports_intervals_and_controls(vocab, eval_set):
+    result = run_cycling(phasekv_adapter(vocab), eval_set, deltas=[0, 1], progress=False, n_boot=200)
+    rolled = result["controls"]["rolled_payloads"]["deltas"]
+    assert rolled[0]["matches_clean"] and result["controls"]["averaged_payloads"]["deltas"][0]["matches_clean"]
+    for row in result["deltas"] + rolled:
+        ci = row["r2_excl_boundary_ci"]
+        assert ci is None or ci[0] <= ci[1] <= 1.0
 
 
 def test_cycling_by_zero_reproduces_the_clean_evaluation(vocab, eval_set, tmp_path):

@@ -149,6 +149,12 @@ class Compressor(nn.Module):
         """The payload maps C."""
         return {}
 
+    def offset_payload_maps(self) -> dict[str, nn.Parameter]:
+        """Per branch ("k", "v"), a payload map with one slice per window offset on dim 0, laid out
+        (W, hidden, KVH * D); empty when payload maps are shared by the offsets.  Gate-cycling controls
+        roll these with the gates, or replace them by one gate-weighted average."""
+        return {}
+
 
 def compressors_of(model: nn.Module) -> list[tuple[str, Compressor]]:
     """(module name, compressor) of every compressor inside `model`, in module order."""

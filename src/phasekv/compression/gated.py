@@ -162,5 +162,10 @@ class GatedCompressor(OffsetGatedCompressor):
     def offset_gate_parameters(self) -> dict[str, nn.Parameter]:
         return self.gate_parameters()  # every gate map and bias has one slice per offset
 
+    def offset_payload_maps(self) -> dict[str, nn.Parameter]:
+        if self.shared_payload:
+            return {}
+        return {branch: getattr(self, f"{branch}_payload") for branch in self.branches}
+
     def payload_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.named_parameters(recurse=False) if name.endswith("_payload")}

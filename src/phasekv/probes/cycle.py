@@ -33,10 +33,11 @@ from tqdm import tqdm
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import accuracies
+from phasekv.evaluate.metrics import accuracies, nan_interval, phase_bootstrap
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import plot_cycling
+from phasekv.probes.gates import gate_statistics
 from phasekv.probes.hooks import compressed_layers
 from phasekv.probes.output import write_result
 
@@ -72,6 +73,18 @@ def offset_gate_parameters(model: nn.Module | Adapter) -> list[tuple[str, nn.Par
 
 
 @contextlib.contextmanager
+def _restored(params: list[nn.Parameter]) -> Iterator[None]:
+    """Save the parameters and restore them bit for bit on exit, exception or not."""
+    saved = [p.detach().clone() for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, original in zip(params, saved):
+                p.copy_(original)
+
+
+@contextlib.contextmanager
 def cycled_gates(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
     """Roll every offset-specific gate parameter by `delta` along the offset dim; restore on exit."""
     cycle_stride(model)
@@ -79,16 +92,11 @@ def cycled_gates(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
     if not params:
         raise ValueError("gate cycling: the compressors have no offset-specific gate parameters "
                          "(uniform averaging has nothing to cycle)")
-    saved = [p.detach().clone() for p in params]
-    try:
+    with _restored(params):
         with torch.no_grad():
             for p in params:
                 p.copy_(torch.roll(p, int(delta), 0))
         yield
-    finally:
-        with torch.no_grad():
-            for p, original in zip(params, saved):
-                p.copy_(original)
 
 
 def boundary_phases(model: nn.Module | Adapter) -> list[int]:
@@ -102,45 +110,116 @@ def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
     return None if total == 0 else 1 - float(((observed - predicted) ** 2).sum()) / total
 
 
+def offset_payload_maps(model: nn.Module | Adapter) -> list[tuple[int, str, int, nn.Parameter]]:
+    """(layer, branch, KV heads, map) of every per-offset payload map (W, hidden, KVH*D)."""
+    return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in compressed_layers(model)
+            for branch, p in attn.compressor.offset_payload_maps().items()]
+
+
+@contextlib.contextmanager
+def rolled_payloads(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
+    """Control 1: roll the per-offset payload maps together with the gates (the whole offset-specific
+    compressor moves, so the prediction A_0((r - delta) mod S) should hold whatever the maps hold)."""
+    maps = [p for *_, p in offset_payload_maps(model)]
+    with _restored(maps), cycled_gates(model, delta):
+        with torch.no_grad():
+            for p in maps:
+                p.copy_(torch.roll(p, int(delta), 0))
+        yield
+
+
+@contextlib.contextmanager
+def averaged_payloads(model: nn.Module | Adapter, gates: list[dict[str, Any]]) -> Iterator[None]:
+    """Control 2: every offset's payload map becomes the average of the maps weighted by how much the
+    gate uses each offset (per layer, branch and KV head: `profile` of `gate_statistics`).  The
+    compressor then has one shared payload, as with `payload: shared`, and the gates alone choose."""
+    profiles = {(g["layer"], g["branch"], g["kv_head"]): g["profile"] for g in gates}
+    maps = offset_payload_maps(model)
+    with _restored([p for *_, p in maps]):
+        with torch.no_grad():
+            for layer, branch, kv_heads, p in maps:
+                W, hidden, F = p.shape
+                heads = p.view(W, hidden, kv_heads, F // kv_heads)  # (W, hidden, KVH, D)
+                weights = torch.tensor([profiles[(layer, branch, h)] for h in range(kv_heads)],
+                                       dtype=p.dtype).T  # (W, KVH)
+                mixed = torch.einsum("wh,wchd->chd", weights / weights.sum(0), heads)
+                heads.copy_(mixed.expand_as(heads))
+        yield
+
+
+def _cycle_rows(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_records: list[dict],
+                context, inner: np.ndarray, run: dict[str, Any], desc: str) -> list[dict[str, Any]]:
+    """Evaluate under `context(delta)` for each delta and compare with the clean profile A_0."""
+    S, R = eval_set.stride, eval_set.residue_modulus
+    a0 = np.array(accuracies(clean_records, S, R)["per_phase"], dtype=float)
+    rows = []
+    for delta in tqdm(deltas, desc=desc, unit="delta", disable=not run["progress"]):
+        with context(delta):
+            records = predict(adapter, eval_set, run["batch_size"], run["multi_query"], run["progress"],
+                              desc=f"delta {delta:+d}")
+        observed = np.array(accuracies(records, S, R)["per_phase"], dtype=float)
+        predicted = a0[(np.arange(S) - delta) % S]
+        reps = phase_bootstrap([clean_records, records], S, run["n_boot"])  # (b, 2, S)
+        r2_reps = [r_squared(o[inner], c[(np.arange(S) - delta) % S][inner]) for c, o in reps]
+        row = {"delta": delta, "observed": observed.tolist(), "predicted": predicted.tolist(),
+               "r2_excl_boundary": r_squared(observed[inner], predicted[inner]),
+               "r2_excl_boundary_ci": nan_interval([np.nan if r is None else r for r in r2_reps]),
+               "r2_all": r_squared(observed, predicted),
+               "mae": float(np.abs(observed - predicted).mean())}
+        if delta == 0:
+            row["matches_clean"] = [r["prediction"] for r in records] == [r["prediction"] for r in clean_records]
+        rows.append(row)
+    return rows
+
+
 def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = range(-3, 4),
                 out_dir: str | Path | None = None, batch_size: int = 32, progress: bool = True,
-                multi_query: bool = True) -> dict[str, Any]:
+                multi_query: bool = True, controls: bool = True, n_boot: int = 1000) -> dict[str, Any]:
     """Evaluate the model with its gates cycled by each delta and compare to A_0((r - delta) mod S).
 
     Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases other
-    than the layers' boundary phases
-    0..S-2), r2_all, mae (mean absolute error over all phases, as a fraction).  With `out_dir`,
-    writes cycling.json and cycling.png.
+    than the layers' boundary phases) with a 95% cluster-bootstrap interval, r2_all and mae (mean
+    absolute error over all phases, as a fraction).  With `controls` and per-offset payload maps,
+    `controls` holds the same rows for `rolled_payloads` (maps rolled with the gates) and for
+    `averaged_payloads` (maps replaced by their gate-weighted average first; its own clean profile).
+    With `out_dir`, writes cycling.json and cycling.png.
     """
     S = cycle_stride(adapter)
     if eval_set.stride != S:
         raise ValueError(f"gate cycling: the eval set's phase stride {eval_set.stride} differs from the "
                          f"model's S = {S}")
     deltas = [int(d) for d in deltas]
-    R = eval_set.residue_modulus
+    run = {"batch_size": batch_size, "multi_query": multi_query, "progress": progress, "n_boot": n_boot}
     clean_records = predict(adapter, eval_set, batch_size, multi_query, progress, desc="clean")
-    clean = accuracies(clean_records, S, R)
     boundary = boundary_phases(adapter)
     inner = np.array([r for r in range(S) if r not in boundary], dtype=int)
-    a0 = np.array(clean["per_phase"], dtype=float)
-    rows = []
-    for delta in tqdm(deltas, desc="cycling", unit="delta", disable=not progress):
-        with cycled_gates(adapter, delta):
-            records = predict(adapter, eval_set, batch_size, multi_query, progress, desc=f"delta {delta:+d}")
-        observed = np.array(accuracies(records, S, R)["per_phase"], dtype=float)
-        predicted = a0[(np.arange(S) - delta) % S]
-        row = {"delta": delta, "observed": observed.tolist(), "predicted": predicted.tolist(),
-               "r2_excl_boundary": r_squared(observed[inner], predicted[inner]),
-               "r2_all": r_squared(observed, predicted),
-               "mae": float(np.abs(observed - predicted).mean())}
-        if delta == 0:
-            row["matches_clean"] = [r["prediction"] for r in records] == [r["prediction"] for r in clean_records]
-        rows.append(row)
+    rows = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: cycled_gates(adapter, d), inner, run,
+                       "cycling")
     result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phases": boundary,
-              "n_prompts": len(clean_records), "clean": clean, "deltas": rows, "figure": None}
+              "n_prompts": len(clean_records), "clean": accuracies(clean_records, S, eval_set.residue_modulus),
+              "deltas": rows, "figure": None, "n_boot": n_boot}
+    if controls and offset_payload_maps(adapter):
+        result["controls"] = _controls(adapter, eval_set, deltas, clean_records, inner, run)
     if out_dir is not None:
         write_result(out_dir, "cycling", result, plot_cycling)
     return result
+
+
+def _controls(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_records: list[dict],
+              inner: np.ndarray, run: dict[str, Any]) -> dict[str, Any]:
+    """The two zero-cost controls that say why per-offset payload maps break gate-only cycling."""
+    rolled = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: rolled_payloads(adapter, d), inner,
+                         run, "cycling, payloads rolled too")
+    prompts = [torch.tensor(p.ids) for p in eval_set.prompts()]
+    gates = gate_statistics(adapter, prompts[:: max(1, len(prompts) // 64)], progress=False)
+    S, R = eval_set.stride, eval_set.residue_modulus
+    with averaged_payloads(adapter, gates):
+        avg_clean = predict(adapter, eval_set, run["batch_size"], run["multi_query"], run["progress"],
+                            desc="averaged payloads")
+        averaged = _cycle_rows(adapter, eval_set, deltas, avg_clean, lambda d: cycled_gates(adapter, d), inner,
+                               run, "cycling, averaged payloads")
+    return {"rolled_payloads": {"deltas": rolled},
+            "averaged_payloads": {"clean": accuracies(avg_clean, S, R), "deltas": averaged}}
 
 
 def cycling_on(source: Source, cfg: EvalConfig, out_dir: str | Path, deltas: Iterable[int] = range(-3, 4),

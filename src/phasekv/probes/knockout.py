@@ -32,7 +32,7 @@ from tqdm import tqdm
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet, build_eval_set
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import accuracies
+from phasekv.evaluate.metrics import accuracies, nan_interval, phase_bootstrap
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import plot_knockout_map
@@ -97,6 +97,17 @@ def relative_change(knockout: list[float | None], clean: list[float | None]) -> 
     return [100 * (k - c) / c if k is not None and c else None for k, c in zip(knockout, clean, strict=True)]
 
 
+def knockout_intervals(clean: list[dict], knocked: list[dict], stride: int, n_boot: int = 1000) -> dict[str, Any]:
+    """95% cluster-bootstrap intervals of a knockout: the knocked-out accuracy per phase and the relative
+    change of the mean over phases (pct), from one paired resampling of the logical examples."""
+    reps = phase_bootstrap([clean, knocked], stride, n_boot)  # (b, 2, S)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.nanmean(reps, axis=2)  # (b, 2)
+        rel = 100 * (means[:, 1] - means[:, 0]) / means[:, 0]
+    return {"per_phase_ci": [nan_interval(reps[:, 1, p]) for p in range(stride)],
+            "mean_rel_change_ci_pct": nan_interval(rel), "n_boot": n_boot}
+
+
 def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_dir: str | Path | None = None,
                  whole_layer: bool = False, batch_size: int = 32, progress: bool = True,
                  multi_query: bool = True) -> dict[str, Any]:
@@ -111,15 +122,17 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
     S, R = eval_set.stride, eval_set.residue_modulus
     probe = QueryOnly(adapter)
     means = calibration_means(adapter, calib_set, batch_size, multi_query, progress)
-    clean = accuracies(predict(probe, eval_set, batch_size, multi_query, progress, desc="clean"), S, R)
+    clean_records = predict(probe, eval_set, batch_size, multi_query, progress, desc="clean")
+    clean = accuracies(clean_records, S, R)
     heads = [None] if whole_layer else list(range(adapter.info.num_kv_heads))
     targets = [(layer, h) for layer in range(adapter.info.num_layers) for h in heads]
     rows = []
     for layer, kv_head in tqdm(targets, desc="knockout", unit="head", disable=not progress):
         name = f"L{layer}" + ("" if kv_head is None else f" KV{kv_head}")
         with mean_knockout(probe, layer, kv_head, means[layer]):
-            acc = accuracies(predict(probe, eval_set, batch_size, multi_query, progress, desc=name), S, R)
-        rows.append({"layer": layer, "kv_head": kv_head, **acc,
+            records = predict(probe, eval_set, batch_size, multi_query, progress, desc=name)
+        acc = accuracies(records, S, R)
+        rows.append({"layer": layer, "kv_head": kv_head, **acc, **knockout_intervals(clean_records, records, S),
                      "per_phase_rel_change_pct": relative_change(acc["per_phase"], clean["per_phase"]),
                      "per_residue_rel_change_pct": relative_change(acc["per_residue"], clean["per_residue"]),
                      "mean_rel_change_pct": relative_change([acc["accuracy"]], [clean["accuracy"]])[0]})
