@@ -73,6 +73,11 @@ def _raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int
     return ok
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd is recording and some input needs a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                        k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
@@ -109,8 +114,7 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
     q_dev = q_pos.to(k_pos.device)
     ends = vis.entries_end.to(k_pos.device) if n_total else None
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (q, k_all, v_all, vis.entries_k, vis.entries_v, sink))
+    grad = _records_grad(q, k_all, v_all, vis.entries_k, vis.entries_v, sink)
     band = False  # the mask's raw columns hold the band of a full block whose slots are all filled
     done = 0  # entries visible to every query of the previous block: their mask columns are already 0
     for a in range(0, Tq, block):
@@ -130,10 +134,8 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
             ok = _entry_mask(ends[first:n], sel, q_dev[a:b])  # (1 or B, nb, n-first)
             m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)[:, None]
             done = int((vis.entries_end <= q_pos[a]).sum())
-        M = R + E + n
-        kb, vb, mb = keys[:, :, :M], vals[:, :, :M], m[..., :M]
-        if grad:  # autograd saves SDPA's inputs: the next block must not overwrite them
-            kb, vb, mb = kb.clone(), vb.clone(), mb.clone()
+        M = R + E + n  # autograd saves SDPA's inputs: then the next block must not overwrite them
+        kb, vb, mb = (t.clone() if grad else t for t in (keys[:, :, :M], vals[:, :, :M], m[..., :M]))
         out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], kb, vb, attn_mask=mb, enable_gqa=True)
     return out.view(B, KVH, G, Tq, D)
 

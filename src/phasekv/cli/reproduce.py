@@ -30,6 +30,11 @@ def run(args) -> None:
         raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
     summary = reproduce(args.out, args.checkpoints, args.models, args.train, args.configs, args.bundle,
                         args.quick, args.seed, not args.no_progress, args.jobs, args.force)
-    held = sum(f["holds"] for f in summary["findings"])
-    sys.stdout.write(f"{held}/{len(summary['findings'])} findings reproduced; report: "
-                     f"{Path(args.out) / 'report.html'}\n")
+    measured = [f for f in summary["findings"] if f["holds"] is not None]
+    held = sum(f["holds"] for f in measured)
+    missing = len(summary["findings"]) - len(measured)
+    sys.stdout.write(f"{held}/{len(measured)} findings reproduced" + (f" ({missing} not measured: models missing)"
+                     if missing else "") + f"; report: {Path(args.out) / 'report.html'}\n")
+    for f in measured:
+        if not f["holds"]:
+            sys.stdout.write(f"  not reproduced: {f['claim']}: {f['measured']}\n")

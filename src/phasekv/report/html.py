@@ -83,7 +83,8 @@ def write_report(summary: dict[str, Any], out: str | Path) -> Path:
 def _findings(findings: list[dict[str, Any]]) -> list[str]:
     parts = ["<h2>Findings</h2><table><tr><th>claim (PAPER.md section 6)</th><th>measured</th><th>verdict</th></tr>"]
     for f in findings:
-        verdict = "<span class='ok'>reproduced</span>" if f["holds"] else "<span class='no'>NOT reproduced</span>"
+        verdict = ("<span class='note'>not measured</span>" if f["holds"] is None else
+                   "<span class='ok'>reproduced</span>" if f["holds"] else "<span class='no'>NOT reproduced</span>")
         parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f['measured'])}</td>"
                      f"<td>{verdict}</td></tr>")
     return [*parts, "</table>"]

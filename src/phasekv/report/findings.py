@@ -1,0 +1,186 @@
+"""The paper's claims (PAPER.md section 6) checked on `reproduce`'s measured models.
+
+Per model: full attention learns and is flat, compressed models have period S, uniform averaging is
+still phase sensitive.  Then the paper's ORDERINGS, each between models that differ in one thing only
+(same KV heads, layers and width; `family`):
+
+* gap(W8/S4) < gap(W8/S8)                 overlapping windows cover more phases;
+* gap(W12/S12) < gap(W8/S8)               the paper's 63 < 75 (more offsets per entry, fewer entries);
+* mean(uniform) < mean(learned gates)     W8/S8 with and without gates;
+* mean(full, more KV heads) > mean(full, 1 KV head);
+* covered phases grow with compressor heads (W8/S8, layers x KV heads);
+* a graded W8/S8 curve: >= S/2 phases above 3 x chance, worst below half the best, period S;
+* gate cycling R^2 >= 0.66 excluding the boundary phase for >= 4 of 6 deltas (shared payload maps).
+
+Each finding carries the measured numbers with their 95% cluster-bootstrap intervals and `holds`
+(the point estimates are in the claimed order); `clear` says whether the intervals are disjoint too.
+An ordering whose models were not measured is reported with holds = None ("not measured"), never
+silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+COVERED_FACTOR = 3.0  # a phase is "covered" when its accuracy exceeds 3 x chance
+CYCLING_R2 = 0.66  # the paper's lowest R^2 excluding the boundary phase
+CYCLING_DELTAS_NEEDED = 4  # of the 6 non-zero deltas
+
+
+def covered_phases(result: dict[str, Any]) -> int:
+    """Phases of a protocol result whose accuracy exceeds COVERED_FACTOR x chance."""
+    return sum(row["accuracy"] > COVERED_FACTOR * result["chance"] for row in result["per_phase"])
+
+
+def is_graded(result: dict[str, Any], stride: int) -> bool:
+    """The paper's shape: at least half the phases covered, the worst below half the best, period S."""
+    acc = [row["accuracy"] for row in result["per_phase"]]
+    return (covered_phases(result) >= stride / 2 and min(acc) < max(acc) / 2
+            and result["detected_period"] == stride)
+
+
+def family(m: dict[str, Any]) -> tuple:
+    """What two models must share to be compared: KV heads, layers, width."""
+    return m["kv_heads"], m["layers"], m["hidden"]
+
+
+def kind(m: dict[str, Any]) -> str:
+    """Short variant name: full, W8/S8, W8/S8 uniform, W8/S8 shared, W8/S8 stagger, csa..."""
+    if m["compressor"] == "none":
+        return "full"
+    base = f"W{m['window']}/S{m['stride']}" if m["compressor"] == "gated" else m["compressor"]
+    extras = [flag for flag, on in (("uniform", m["uniform"]), ("stagger", m.get("staggered")),
+                                    ("shared", m.get("shared_payload") and not m["uniform"])) if on]
+    return " ".join([base, *extras])
+
+
+def _value(m: dict[str, Any], metric: str) -> tuple[float, list[float] | None]:
+    p = m["prefix"]
+    if metric == "gap":
+        return p["max_gap_pp"], p.get("gap_ci_pp")
+    return 100 * p["mean_accuracy"], [100 * x for x in p["mean_ci"]] if p.get("mean_ci") else None
+
+
+def _pairs(models: dict[str, dict], first: Callable[[dict], bool], second: Callable[[dict], bool]):
+    """(name_a, name_b) for every model a matching `first` and b matching `second` of the same family."""
+    return [(a, b) for a, ma in models.items() for b, mb in models.items()
+            if a != b and first(ma) and second(mb) and family(ma) == family(mb)]
+
+
+def _ordering(models, text: str, metric: str, less: Callable[[dict], bool], more: Callable[[dict], bool],
+              claim: Callable[..., None]) -> None:
+    """Claim metric(less-model) < metric(more-model) for every same-family pair."""
+    pairs = _pairs(models, less, more)
+    if not pairs:
+        claim(text, "not measured: no pair of bundled models of the same size", None)
+    for a, b in pairs:
+        (va, ca), (vb, cb) = _value(models[a], metric), _value(models[b], metric)
+        unit = "pp" if metric == "gap" else "%"
+        clear = ca is not None and cb is not None and ca[1] < cb[0]
+        claim(f"{text} ({a} vs {b})", f"{metric} {va:.1f} {unit} {_ci(ca)} vs {vb:.1f} {unit} {_ci(cb)}", va < vb,
+              models=[a, b], values=[va, vb], intervals=[ca, cb], clear=clear)
+
+
+def _ci(ci: list[float] | None) -> str:
+    return "" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+
+
+def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's orderings between same-family models (module doc)."""
+    out: list[dict[str, Any]] = []
+
+    def claim(text: str, measured: str, holds: bool | None, **numbers: Any) -> None:
+        out.append({"claim": text, "measured": measured, "holds": holds, "ordering": True, **numbers})
+
+    def is_kind(name: str) -> Callable[[dict], bool]:
+        return lambda m: kind(m) == name
+
+    _ordering(models, "gap(W8/S4) < gap(W8/S8)", "gap", is_kind("W8/S4"), is_kind("W8/S8"), claim)
+    _ordering(models, "gap(W12/S12) < gap(W8/S8) (paper: 63 < 75)", "gap", is_kind("W12/S12"), is_kind("W8/S8"),
+              claim)
+    _ordering(models, "mean(W8/S8 uniform) < mean(W8/S8 learned gates)", "mean", is_kind("W8/S8 uniform"),
+              is_kind("W8/S8"), claim)
+    full = [(n, m) for n, m in models.items() if m["compressor"] == "none"]
+    pairs = [(a, b) for a, ma in full for b, mb in full
+             if ma["kv_heads"] < mb["kv_heads"] and (ma["layers"], ma["hidden"]) == (mb["layers"], mb["hidden"])]
+    if not pairs:
+        claim("mean(full, more KV heads) > mean(full, 1 KV head)", "not measured: one full-attention model", None)
+    for a, b in pairs:
+        (va, ca), (vb, cb) = _value(models[a], "mean"), _value(models[b], "mean")
+        claim(f"mean(full, {models[b]['kv_heads']} KV) > mean(full, {models[a]['kv_heads']} KV) ({b} vs {a})",
+              f"mean {vb:.1f}% {_ci(cb)} vs {va:.1f}% {_ci(ca)}", vb > va, models=[b, a], values=[vb, va],
+              intervals=[cb, ca], clear=ca is not None and cb is not None and ca[1] < cb[0])
+    _coverage(models, claim)
+    _graded(models, claim)
+    _cycling(models, claim)
+    return out
+
+
+def _coverage(models: dict[str, dict], claim: Callable[..., None]) -> None:
+    """Covered phases grow with the number of compressor heads (layers x KV heads), W8/S8 models."""
+    rows = sorted((m["layers"] * m["kv_heads"], covered_phases(m["prefix"]), n)
+                  for n, m in models.items() if kind(m) == "W8/S8")
+    if len({heads for heads, _, _ in rows}) < 2:
+        claim("covered phases (> 3 x chance) grow with compressor heads", "not measured: one W8/S8 size", None)
+        return
+    text = ", ".join(f"{n}: {heads} heads -> {covered} of 8" for heads, covered, n in rows)
+    by_heads: dict[int, list[int]] = {}
+    for heads, covered, _ in rows:
+        by_heads.setdefault(heads, []).append(covered)
+    means = [sum(v) / len(v) for _, v in sorted(by_heads.items())]
+    claim("covered phases (> 3 x chance) grow with compressor heads (W8/S8)", text,
+          all(a < b for a, b in zip(means, means[1:])), covered=[[h, c, n] for h, c, n in rows])
+
+
+def _graded(models: dict[str, dict], claim: Callable[..., None]) -> None:
+    """At least one W8/S8 model has the paper's graded shape."""
+    rows = [(n, m) for n, m in models.items() if m.get("window") == 8 and m.get("stride") == 8
+            and m["compressor"] == "gated"]
+    graded = [n for n, m in rows if is_graded(m["prefix"], 8)]
+    text = "; ".join(f"{n}: {covered_phases(m['prefix'])} of 8 covered, per phase "
+                     + " ".join(f"{100 * r['accuracy']:.0f}" for r in m["prefix"]["per_phase"]) for n, m in rows)
+    claim("a W8/S8 model has a graded curve (>= 4 of 8 phases above 3 x chance, worst < best / 2, period 8)",
+          text or "not measured: no W8/S8 model", bool(graded) if rows else None, graded=graded)
+
+
+def _cycling(models: dict[str, dict], claim: Callable[..., None]) -> None:
+    """Gate cycling works on shared-payload models: R^2 >= 0.66 (boundary excluded) for >= 4 of 6 deltas."""
+    rows = [(n, m["cycling"]) for n, m in models.items() if m.get("cycling") and m.get("shared_payload")]
+    if not rows:
+        claim(f"gate cycling R^2 >= {CYCLING_R2} (boundary excluded) on a shared-payload model",
+              "not measured: no shared-payload W = S model", None)
+    for n, cyc in rows:
+        r2 = {row["delta"]: row["r2_excl_boundary"] for row in cyc["deltas"] if row["delta"] != 0}
+        good = sum(v is not None and v >= CYCLING_R2 for v in r2.values())
+        measured = ", ".join(f"{d:+d}: {'-' if v is None else f'{v:.2f}'}" for d, v in sorted(r2.items()))
+        claim(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {CYCLING_DELTAS_NEEDED} of "
+              f"{len(r2)} deltas", measured, good >= min(CYCLING_DELTAS_NEEDED, len(r2)), r2=r2, deltas_ok=good)
+
+
+def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every claim: per model (learns, flat, period S, uniform still phase sensitive), then the orderings."""
+    out = []
+
+    def claim(text: str, measured: str, holds: bool) -> None:
+        out.append({"claim": text, "measured": measured, "holds": bool(holds)})
+
+    for name, m in models.items():
+        p = m["prefix"]
+        if m["compressor"] == "none":
+            claim(f"{name}: full attention learns the task (mean >= 10%, chance {100 * p['chance']:.1f}%)",
+                  f"mean {100 * p['mean_accuracy']:.1f}%", p["mean_accuracy"] >= 0.10)
+            claim(f"{name}: full attention is flat (gap <= 6 points and flatness not rejected at 5%)",
+                  f"gap {p['max_gap_pp']:.1f} pp, flatness p = {p['flatness_p']:.3f}, within-example p = "
+                  f"{p.get('within_flatness_p', float('nan')):.3f}",
+                  p["max_gap_pp"] <= 6 and p["flatness_p"] > 0.05)
+            continue
+        if m["stride"]:
+            claim(f"{name}: detected period equals the stride S = {m['stride']}",
+                  f"period {p['detected_period']}", p["detected_period"] == m["stride"])
+        if m["uniform"]:
+            claim(f"{name}: uniform averaging is still phase sensitive (flatness rejected at 5%)",
+                  f"gap {p['max_gap_pp']:.1f} pp, flatness p = {p['flatness_p']:.3g}", p["flatness_p"] < 0.05)
+        elif m["window"] == 8 and m["stride"] == 8 and m["kv_heads"] == 1:
+            claim(f"{name}: W8/S8 phase gap >= 30 points", f"gap {p['max_gap_pp']:.1f} pp", p["max_gap_pp"] >= 30)
+    return out + ordering_findings(models)
