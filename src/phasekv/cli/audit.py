@@ -10,7 +10,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
     p.add_argument("--hf", required=True, help="transformers causal LM: local directory (or hub name)")
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf (needs the gguf extra: make real-model)")
-    p.add_argument("--format", default="records", help="prompt format: records, records-names, bare, or a YAML file")
+    p.add_argument("--format", default="records", help="prompt format: records, records-names, needle, bare, or a "
+                                                       "YAML file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
     p.add_argument("--compress", nargs="+", default=["none", "select:3+keep-first:1", "mean+keep-first:1"],
                    metavar="COND", help="conditions: none, select:r, mean, max-norm, each optionally "
                                         "+keep-first:n (the attention sink)")
@@ -53,7 +55,7 @@ def run(args) -> dict[str, Any]:
     adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
     summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
                         args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
-                        args.batch_size, args.force, not args.no_progress)
+                        args.batch_size, args.force, not args.no_progress, chat=args.chat)
     for name, result in summary["conditions"].items():
         print(f"{name:>24}  prefix: {result['prefix']['verdict']}")
     return summary

@@ -18,7 +18,7 @@ from phasekv.config import PROTOCOLS
 # flag -> EvalConfig field, for the flags that describe the prompt set and the run
 _EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
                "key_tokens", "value_tokens", "local_window", "batch_size", "one_by_one", "seed", "device", "dtype",
-               "device_map", "format", "gguf_file", "threads")
+               "device_map", "format", "chat", "gguf_file", "threads")
 
 
 def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name") -> None:
@@ -54,8 +54,10 @@ def add_prompt_arguments(p) -> None:
     p.add_argument("--device", default=quiet, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=quiet, help="HF models: torch dtype, e.g. bfloat16")
     p.add_argument("--device-map", default=quiet, help="HF models: e.g. 'auto' to spread a large model over GPUs")
-    p.add_argument("--format", default=quiet, help="HF models: prompt format (records, records-names, bare or a "
-                                                   "YAML file); default: bare single-token words")
+    p.add_argument("--format", default=quiet, help="HF models: prompt format (records, records-names, needle, bare or "
+                                                   "a YAML file); default: bare single-token words")
+    p.add_argument("--chat", action="store_true", default=quiet, help="HF models: wrap the --format prompts in the "
+                                                                      "tokenizer's chat template")
     p.add_argument("--gguf-file", default=quiet, help="HF models: a GGUF file inside the --hf directory")
     p.add_argument("--threads", type=int, default=quiet, help="torch CPU threads (default: torch's; use 1 when "
                                                               "several runs share the cores)")

@@ -3,22 +3,38 @@
 A format is a small template (PAPER.md section 3 describes the task; the real-models issue measured
 why framing matters: bare word pairs 0-8% on SmolLM2-135M, framed `key: 482` lines 87%):
 
-    <bos> header  [fillers]  record x N  [fillers]  tail  demonstration x D  query
+    <bos> [chat prefix] header  [fillers]  record x N  [fillers]  tail [chat suffix]  demonstration x D  query
 
 A record is a key piece followed by a value piece (`key_text` / `value_text` with `{key}` / `{value}`),
 a demonstration repeats a whole record, the query is a key piece, and the answer is the first token of
-the value piece.  Keys and values come from kinds: `animals`, `names` (single words) or `digits:N`
-(N-digit numbers).  Everything is built at token level from pieces tokenized once, so every position
-(and phase) is exact; only pieces of the modal token length are kept, so every record has the same
-length, and any token prefix shared by every value piece (a space before the digits) is moved into the
-key piece, so the answer is never a give-away.  `FormatVocabulary` offers the vocabulary interface the
+the value piece.  Keys and values come from kinds: `animals`, `names` (single words, extended by hyphenated
+pairs such as "cat-otter"; `animals-plain` without them) or `digits:N` (N-digit numbers).  Everything is
+built at token level from pieces tokenized once, so every position (and phase) is exact; only pieces of
+the modal token length are kept, so every record has the same length, and any token prefix shared by
+every value piece (a space before the digits) is moved into the key piece, so the answer is never a
+give-away.  `FormatVocabulary` offers the vocabulary interface the
 prompt builders use (`phasekv.data.protocols.build_eval_set`), plus `header`, `tail`, `answers` and
 `sample_records`; `retokenization_agreement` measures how far the token-level prompt differs from what
 the tokenizer would produce from its text.
 
+Needle in a haystack (`haystack_tokens` > 0; PAPER.md section 3's needle test, multi-key): every record is
+a needle sentence (" The special magic number for tiger is 482."), and `haystack_tokens` tokens of real
+English prose sit before every needle and after the last one.  The prose is whole sentences of the
+built-in list `haystack.txt` (package data), each tokenized once; a piece is a set of sentences whose
+lengths sum to exactly `haystack_tokens` (drawn per cluster from the prompt set's seed, unused sentences
+first), so needles sit at sentence boundaries, the text re-tokenizes to the same ids, and each prose piece
+is part of its record's pitch: prefix padding shifts the whole haystack, in-sequence padding puts fillers
+between the pieces (`phasekv.data.protocols`).
+
+Chat (`chat: true`, or `--chat`): the prompt is wrapped in the tokenizer's chat template, the user turn
+holding header, records, tail (the question) and the assistant turn left open for the demonstrations and
+the query.  The template is rendered once around a marker; its text before the marker and the header are
+tokenized once as one piece, the tail and the text after it as another (a leading <bos> is dropped: every
+prompt starts with one), so positions stay exact and the joins tokenize as in running text.
+
 Shipped formats: `records` (3-digit values, a prose header and tail), `records-names` (name values),
-`bare` (the old bare word pairs, no framing: the format a real model cannot do).  A YAML file with the
-same fields defines a new one (`load_format`).  Chat templates are not applied (a base-model prompt).
+`needle` (needles in prose, a question as the tail), `bare` (the old bare word pairs, no framing: the
+format a real model cannot do).  A YAML file with the same fields defines a new one (`load_format`).
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +51,8 @@ import numpy as np
 from phasekv.config import check_fields, from_section, parse_yaml, spec
 from phasekv.data.vocab import _BASE, _words
 
-WORD_KINDS = {"animals": "keys", "names": "values", "words": "background"}  # kind -> phasekv word list
+# kind -> phasekv word list; "-plain": the list's words only, without the hyphenated pairs "a-b" that extend it
+WORD_KINDS = {"animals": "keys", "animals-plain": "keys", "names": "values", "words": "background"}
 
 
 @dataclass
@@ -49,6 +67,8 @@ class PromptFormat:
     keys: str = "animals"
     values: str = spec("names")
     filler: str = "\n"  # one token: the unit of padding (prefix and in-sequence)
+    haystack_tokens: int = spec(0, low=0, high=4096)  # prose tokens before every record and after the last
+    chat: bool = False  # wrap the prompt in the tokenizer's chat template (user turn; assistant turn open)
 
     def __post_init__(self) -> None:
         check_fields(self, f"format {self.name}")
@@ -69,22 +89,35 @@ FORMATS = {
     "records-names": PromptFormat("records-names", header="Here is the list of records.\n", key_text="{key}:",
                                   value_text=" {value}\n", tail="That is the whole list.\n", keys="animals",
                                   values="names"),
+    "needle": PromptFormat("needle", header="Below is a long text. Hidden in it are the special magic numbers "
+                           "of some animals. Remember them.\n", key_text=" The special magic number for {key} is",
+                           value_text=" {value}.", tail="\nQuestion: What is the special magic number for the "
+                           "animal below, according to the text?\nAnswer:", keys="animals-plain",
+                           values="digits:3", filler=" ...", haystack_tokens=41),
     "bare": PromptFormat("bare", key_text=" {key}", value_text=" {value}", keys="animals", values="names",
                          filler=" um"),
 }
 
 
-def load_format(name_or_path: str) -> PromptFormat:
-    """A shipped format by name, or a YAML file with PromptFormat's fields."""
+def load_format(name_or_path: str, chat: bool = False) -> PromptFormat:
+    """A shipped format by name, or a YAML file with PromptFormat's fields; `chat` turns its chat option on."""
     if name_or_path in FORMATS:
-        return FORMATS[name_or_path]
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ValueError(f"--format: {name_or_path!r} is neither a shipped format {sorted(FORMATS)} nor a file")
-    tree = parse_yaml(path.read_text(), f"--format {path}")
-    if isinstance(tree, dict):
-        tree.setdefault("name", path.stem)
-    return from_section(PromptFormat, tree, f"format {path}")
+        fmt = FORMATS[name_or_path]
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"--format: {name_or_path!r} is neither a shipped format {sorted(FORMATS)} nor a file")
+        tree = parse_yaml(path.read_text(), f"--format {path}")
+        if isinstance(tree, dict):
+            tree.setdefault("name", path.stem)
+        fmt = from_section(PromptFormat, tree, f"format {path}")
+    return dataclasses.replace(fmt, chat=True) if chat else fmt
+
+
+def haystack_sentences() -> list[str]:
+    """The built-in prose of the needle format: one sentence per line of `haystack.txt`."""
+    text = resources.files("phasekv.data").joinpath("haystack.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
 
 def _kind_texts(kind: str) -> list[str]:
@@ -92,7 +125,7 @@ def _kind_texts(kind: str) -> list[str]:
         n = int(kind[7:])
         return [str(v) for v in range(10 ** (n - 1), 10 ** n)]
     base = _BASE[WORD_KINDS[kind]]
-    return _words(base, 4 * len(base))
+    return list(base) if kind.endswith("-plain") else _words(base, 4 * len(base))
 
 
 def _modal(pieces: dict[str, tuple[int, ...]], by_first: bool = False) -> dict[str, tuple[int, ...]]:
@@ -132,11 +165,20 @@ class FormatVocabulary:
         if len(filler) != 1:
             raise ValueError(f"format {fmt.name}.filler: {fmt.filler!r} is {len(filler)} tokens; it must be one")
         self.fillers = list(filler)
-        self.header, self.tail = list(encode(fmt.header)), list(encode(fmt.tail))
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if bos is None:
             raise ValueError("tokenizer: has neither a bos nor an eos token to start prompts with")
         self.bos = bos
+        before, after = _chat_texts(tokenizer, fmt.name) if fmt.chat else ("", "")
+        self.header, self.tail = list(encode(before + fmt.header)), list(encode(fmt.tail + after))
+        if fmt.chat and self.header[:1] == [bos]:  # every prompt already starts with <bos>
+            self.header = self.header[1:]
+        self.haystack_tokens = fmt.haystack_tokens
+        self.sentences = [encode(" " + text) for text in haystack_sentences()] if fmt.haystack_tokens else []
+        if self.sentences and _exact_subset([len(p) for p in self.sentences], range(len(self.sentences)),
+                                            fmt.haystack_tokens) is None:
+            raise ValueError(f"format {fmt.name}.haystack_tokens: no set of haystack sentences is exactly "
+                             f"{fmt.haystack_tokens} tokens with this tokenizer; choose another length")
         if len(self.answers) < 2 or len(self.key_pieces) < 2:
             raise ValueError(f"format {fmt.name}: too few distinct keys ({len(self.key_pieces)}) or answers "
                              f"({len(self.answers)}) for this tokenizer")
@@ -172,6 +214,19 @@ class FormatVocabulary:
         values = np.asarray(self.value_pieces)[rng.integers(len(self.value_pieces), size=n)]
         return keys, values
 
+    def haystack(self, rng: np.random.Generator, n: int) -> list[list[int]]:
+        """n prose pieces of exactly `haystack_tokens` tokens: whole sentences, in a random order, sentences
+        not yet used in this prompt first (so a short haystack repeats none)."""
+        lengths = [len(p) for p in self.sentences]
+        used: set[int] = set()
+        pieces = []
+        for _ in range(n):
+            order = sorted(rng.permutation(len(lengths)).tolist(), key=lambda i: i in used)  # stable: fresh first
+            chosen = _exact_subset(lengths, order, self.haystack_tokens)
+            used.update(chosen)
+            pieces.append([t for i in chosen for t in self.sentences[i]])
+        return pieces
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
@@ -184,6 +239,44 @@ class FormatVocabulary:
     def to_dict(self) -> dict[str, Any]:
         return {"format": dataclasses.asdict(self.format), "record_shape": list(self.record_shape),
                 "n_keys": len(self.key_pieces), "n_values": len(self.value_pieces), "n_answers": len(self.answers)}
+
+
+_USER_TURN = "PHASEKV_USER_TURN"  # stands for the user's message while the chat template is rendered
+
+
+def _chat_texts(tokenizer: Any, name: str) -> tuple[str, str]:
+    """The text of the tokenizer's chat template before and after one user message, assistant turn open."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"format {name}.chat: the tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_TURN}], add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many types for a broken template
+        raise ValueError(f"format {name}.chat: the chat template does not render ({exc})") from None
+    if not isinstance(text, str) or text.count(_USER_TURN) != 1:
+        raise ValueError(f"format {name}.chat: the chat template does not hold the user message exactly once")
+    before, after = text.split(_USER_TURN)
+    return before, after
+
+
+def _exact_subset(lengths: list[int], order, target: int) -> list[int] | None:
+    """Items whose lengths sum to exactly `target`: the first such set a 0/1 knapsack over `order` reaches
+    (so earlier items are preferred), in `order`'s order; None if there is none."""
+    reach: dict[int, tuple[int, int]] = {0: (0, -1)}  # sum -> (previous sum, item that reached it)
+    for item in order:
+        for total in list(reach):
+            new = total + lengths[item]
+            if new <= target and new not in reach:
+                reach[new] = (total, item)
+        if target in reach:
+            break
+    if target not in reach:
+        return None
+    chosen, total = [], target
+    while total:
+        total, item = reach[total]
+        chosen.append(item)
+    return chosen[::-1]
 
 
 def _common_prefix(pieces: list[tuple[int, ...]]) -> tuple[int, ...]:

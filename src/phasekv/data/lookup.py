@@ -78,24 +78,32 @@ class Layout(NamedTuple):
 
 
 def assemble(bos: int, keys: np.ndarray, values: np.ndarray, gaps: list[int], fillers: np.ndarray,
-             queries: list[int], header: list[int] = (), tail: list[int] = ()) -> Layout:
+             queries: list[int], header: list[int] = (), tail: list[int] = (),
+             haystack: list[list[int]] | None = None) -> Layout:
     """<bos> header, then record i preceded by gaps[i] fillers, gaps[N] fillers, tail, then the queried
     records.
 
     keys (N, key_tokens) and values (N, value_tokens) are token ids; gaps has N + 1 entries; fillers
     holds at least sum(gaps) filler ids, used in order; queries are record indices; header and tail are
-    a prompt format's framing (`phasekv.data.formats`; empty for the synthetic task).
+    a prompt format's framing (`phasekv.data.formats`; empty for the synthetic task).  haystack (a
+    needle format): N + 1 prose pieces of one length; piece i sits between record i's fillers and record
+    i, piece N right after record N-1, so fillers never split a piece and the records are needles in prose.
     """
     n = len(keys)
-    if len(gaps) != n + 1:
-        raise ValueError(f"gaps: expected {n + 1} entries, got {len(gaps)}")
+    if len(gaps) != n + 1 or (haystack is not None and len(haystack) != n + 1):
+        raise ValueError(f"gaps, haystack: expected {n + 1} entries each, got {len(gaps)}, "
+                         f"{None if haystack is None else len(haystack)}")
     ids = [bos, *header]
     used = 0
     record_positions = []
     for i in range(n + 1):
+        if i == n and haystack is not None:
+            ids.extend(haystack[n])
         ids.extend(fillers[used:used + gaps[i]].tolist())
         used += gaps[i]
         if i < n:
+            if haystack is not None:
+                ids.extend(haystack[i])
             record_positions.append(len(ids))
             ids.extend(keys[i].tolist())
             ids.extend(values[i].tolist())

@@ -59,6 +59,11 @@ R / g and n_clusters = the smallest multiple of g that makes the matching exact 
 576 prompts per residue group at R = 24; with 2-token records, prefix: 48 clusters x 24 shifts =
 1152 contexts of 12 queries; insequence (gap 1, w = 3, g = 3): 72 x 24 = 1728 contexts of 8 queries.
 
+Needle formats (`vocab.haystack_tokens` = h > 0, `phasekv.data.formats`): h tokens of prose precede
+every record and follow the last one.  Each prose piece belongs to its record's pitch (w = record + h
+(+ gap)) and record 0's piece to the lead, so everything above holds unchanged: prefix padding shifts
+the whole haystack, in-sequence fillers fall between the pieces, never inside one.
+
 Local window: every target record ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
 leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
@@ -212,13 +217,14 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                      local_window=local_window, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
                      insequence_gap=insequence_gap)
     header, tail = list(vocab.header), list(vocab.tail)
-    lead = 1 + len(header)  # <bos> and the format's header come before the first filler
+    spacer = vocab.haystack_tokens  # prose before every record and after the last (a needle format)
+    lead = 1 + len(header) + spacer  # <bos>, the format's header and record 0's prose precede record 0's fillers
     R = residue_modulus
     if R % stride:
         raise ValueError(f"residue_modulus: {R} is not a multiple of stride {stride}")
     rec = key_tokens + value_tokens
     gap = insequence_gap if protocol == "insequence" else 0
-    pitch = rec + gap
+    pitch = rec + spacer + gap
     g = math.gcd(pitch, R)
     classes = R // g  # residue classes a cluster can reach
     first, starts = _class_starts(R, g, pitch, lead)
@@ -240,7 +246,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                          f"{len(vocab.group('keys'))} key words")
 
     fillers_total = (g - 1) + (R - 1) + gap * n_records
-    query_position = lead + fillers_total + len(tail) + rec * (n_records + n_demos) + key_tokens - 1
+    query_position = (lead + fillers_total + len(tail) + rec * (n_records + n_demos) + spacer * n_records
+                      + key_tokens - 1)
     settings = {"protocol": protocol, "n_records": n_records, "n_demos": n_demos, "stride": stride,
                 "residue_modulus": R, "n_clusters": n_clusters, "targets_per_context": targets_per_context,
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
@@ -250,7 +257,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                               local_window, np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
 
     geo = _Geometry(protocol, R, stride, g, gap, pitch, rec, lead, header, tail, fillers_total, query_position,
-                    local_window, n_records, n_demos, key_tokens, value_tokens, seed, _TAG[protocol])
+                    local_window, n_records, n_demos, key_tokens, value_tokens, seed, _TAG[protocol], spacer)
     contexts = [ctx for c, target_records in enumerate(targets)
                 for ctx in _cluster_contexts(vocab, geo, c, target_records)]
     return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings)
@@ -278,6 +285,7 @@ class _Geometry(NamedTuple):
     value_tokens: int
     seed: int
     tag: int
+    spacer: int  # haystack tokens before every record and after the last
 
 
 def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) -> list[Context]:
@@ -289,13 +297,14 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     others = np.setdiff1d(np.arange(geo.n_records), target_records)
     demos = rng.choice(others, size=geo.n_demos, replace=False).tolist()
     fillers = filler_tokens(rng, vocab, geo.fillers_total)  # the same words, in order, at every shift
+    haystack = vocab.haystack(rng, geo.n_records + 1) if geo.spacer else None  # the same prose at every shift
     for s in range(geo.R):
         if geo.protocol == "prefix":
             gaps = [f + s] + [0] * (geo.n_records - 1) + [geo.fillers_total - f - s]
         else:
             gaps = _insequence_gaps(np.random.default_rng([geo.seed, geo.tag, _CONTEXT, c, s]), target_records,
                                     geo.n_records, f + s, geo.gap, geo.fillers_total)
-        layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, geo.header, geo.tail)
+        layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, geo.header, geo.tail, haystack)
         queries = []
         for i in target_records:
             pos = layout.record_positions[i]

@@ -81,6 +81,7 @@ class Vocabulary:
 
     header: tuple[int, ...] = ()  # the synthetic task has no framing around its records
     tail: tuple[int, ...] = ()
+    haystack_tokens = 0  # no prose between the records (see phasekv.data.formats for the needle format)
 
     def __init__(self, n_keys: int = 64, n_values: int = 64, n_fillers: int = 16, n_background: int = 64):
         sizes = {"keys": n_keys, "values": n_values, "fillers": n_fillers, "background": n_background}

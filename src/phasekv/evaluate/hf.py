@@ -29,6 +29,7 @@ class TokenizerVocabulary:
 
     header: tuple[int, ...] = ()  # no prose around the records (see phasekv.data.formats for framed prompts)
     tail: tuple[int, ...] = ()
+    haystack_tokens = 0
 
     def __init__(self, tokenizer, need: dict[str, int]):
         self.tokenizer = tokenizer

@@ -95,7 +95,7 @@ def open_model(source: Source, cfg: EvalConfig) -> tuple[Adapter, Any, dict[str,
         if cfg.format is not None:
             from phasekv.data.formats import FormatVocabulary, load_format
 
-            vocab = FormatVocabulary(load_format(cfg.format), tokenizer)
+            vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
             kt, vt = vocab.record_shape
             return adapter, vocab, {**HF_DEFAULTS, "n_records": 24, "key_tokens": kt, "value_tokens": vt}
         n = cfg.records or HF_DEFAULTS["n_records"]

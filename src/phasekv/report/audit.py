@@ -93,18 +93,20 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
               conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
               window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
               prompts_per_phase: int = 64, seed: int = 0, batch_size: int = 16, force: bool = False,
-              progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS) -> dict[str, Any]:
-    """Audit `adapter` (a transformers model) under each condition; publish OUT atomically."""
+              progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS, chat: bool = False) -> dict[str, Any]:
+    """Audit `adapter` (a transformers model) under each condition; publish OUT atomically.  `chat`: wrap the
+    prompts in the tokenizer's chat template (`phasekv.data.formats`)."""
     if "none" not in conditions:
         conditions = ("none", *conditions)  # the capability gate always runs first
     conditions = ("none", *[c for c in conditions if c != "none"])
     check_conditions(conditions, window, stride, local_window)
-    vocab = FormatVocabulary(load_format(fmt), tokenizer)
+    vocab = FormatVocabulary(load_format(fmt, chat), tokenizer)
     kt, vt = vocab.record_shape
     started = time.perf_counter()
     with output_dir(out, force) as tmp:
+        record = kt + vt + vocab.haystack_tokens
         sets = {p: build_eval_set(vocab, p, n_records=n_records, n_demos=n_demos, stride=stride, residue_modulus=stride,
-                                  n_clusters=_clusters(prompts_per_phase, kt + vt, p, stride), key_tokens=kt,
+                                  n_clusters=_clusters(prompts_per_phase, record, p, stride), key_tokens=kt,
                                   value_tokens=vt, local_window=local_window, seed=seed)
                 for p in protocols}
         adapter.check_length(max(s.prompt_length for s in sets.values()))
@@ -135,7 +137,8 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
 
 def _clusters(per_phase: int, record: int, protocol: str, stride: int) -> int:
     """The fewest clusters (a multiple of g = gcd(record pitch, S)) that give at least `per_phase` prompts
-    per phase: a cluster is shown at S shifts with S / g targets, i.e. S / g prompts per phase."""
+    per phase: a cluster is shown at S shifts with S / g targets, i.e. S / g prompts per phase.  `record`:
+    the tokens of a record and its haystack prose (the pitch without in-sequence fillers)."""
     g = math.gcd(record + (1 if protocol == "insequence" else 0), stride)
     clusters = math.ceil(per_phase / (stride // g))
     return math.ceil(clusters / g) * g
