@@ -9,6 +9,7 @@ prompts `phasekv eval --hf PATH` evaluates with the same flags.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from phasekv.cli.evaluate import add_prompt_set_arguments, given_flags
@@ -21,6 +22,8 @@ def add_parser(sub) -> None:
     lm.add_argument("--tokenizer", required=True, help="the evaluated model's tokenizer: the directory or hub "
                                                        "name you pass to lm_eval as pretrained= (prompts are "
                                                        "built token by token with it)")
+    lm.add_argument("--gguf-file", default=argparse.SUPPRESS, help="the tokenizer of a GGUF file inside the "
+                                                                   "--tokenizer directory")
     add_prompt_set_arguments(lm)
     lm.add_argument("--out", required=True, help="output directory (the task's --include_path)")
     lm.add_argument("--force", action="store_true", help="replace an existing non-empty --out")

@@ -98,7 +98,7 @@ def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: 
     """Write the lm-eval task of `cfg`'s prompt set for the tokenizer at `tokenizer_path` into `out`;
     returns what export.json records (task name, sizes, settings)."""
     check_output_dir(Path(out), force)  # before loading anything
-    tokenizer = load_tokenizer(tokenizer_path, flag="--tokenizer")
+    tokenizer = load_tokenizer(tokenizer_path, cfg.gguf_file, flag="--tokenizer")
     vocab, defaults = tokenizer_vocabulary(tokenizer, cfg)
     eval_set = build_eval_set(vocab, cfg.protocol, stride=cfg.stride or DEFAULT_STRIDE,
                               **prompt_settings(cfg, defaults))
