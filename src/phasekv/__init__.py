@@ -1,7 +1,10 @@
 """phasekv: chunked KV-cache compression, its phase sensitivity, and the tools to measure it."""
 
+from phasekv import hf_registration
 from phasekv.checkpoint import load_checkpoint
 from phasekv.config import ModelConfig
 from phasekv.model import PhaseKVForCausalLM, build_model
+
+hf_registration.install()  # AutoConfig / AutoModelForCausalLM learn model_type "phasekv" once transformers loads them
 
 __all__ = ["ModelConfig", "PhaseKVForCausalLM", "build_model", "load_checkpoint"]

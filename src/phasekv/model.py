@@ -83,16 +83,20 @@ class PhaseKVForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids: expected shape (B, T), got {tuple(input_ids.shape)}")
-        start = cache.length if cache is not None else 0
-        if start + input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(f"input_ids: {start + input_ids.shape[1]} positions exceed "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        check_input(self.config, input_ids, cache.length if cache is not None else 0)
         return self.lm_head(self.model(input_ids, cache))
 
     def new_cache(self) -> KVCache:
         return KVCache()
+
+
+def check_input(config: ModelConfig, input_ids: torch.Tensor, start: int) -> None:
+    """Refuse ids that are not (B, T) or that would run past max_position_embeddings after `start` cached tokens."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected shape (B, T), got {tuple(input_ids.shape)}")
+    if start + input_ids.shape[1] > config.max_position_embeddings:
+        raise ValueError(f"input_ids: {start + input_ids.shape[1]} positions exceed "
+                         f"max_position_embeddings={config.max_position_embeddings}")
 
 
 def build_model(config: ModelConfig) -> PhaseKVForCausalLM:

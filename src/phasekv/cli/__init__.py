@@ -14,7 +14,7 @@ import logging
 import sys
 import traceback
 
-COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "probes", "reproduce", "audit"]
+COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "probes", "reproduce", "audit", "export"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -31,14 +31,31 @@ def add_prompt_arguments(p) -> None:
     """The flags that choose a model and build its prompt set (shared by eval and the probes).
     Unset flags are absent from the namespace, so the checkpoint's `eval` section applies."""
     quiet = argparse.SUPPRESS
-    p.add_argument("--protocol", choices=PROTOCOLS, default=quiet, help="padding protocol (default prefix)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    add_prompt_set_arguments(p)
+    p.add_argument("--batch-size", type=int, default=quiet, help="query rows per forward (default: 256 checkpoints, "
+                                                                 "32 HF)")
+    p.add_argument("--one-by-one", action="store_true", default=quiet, help="one forward per prompt (no shared "
+                                                                            "prefill)")
+    p.add_argument("--device", default=quiet, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=quiet, help="HF models: torch dtype, e.g. bfloat16")
+    p.add_argument("--device-map", default=quiet, help="HF models: e.g. 'auto' to spread a large model over GPUs")
+    p.add_argument("--gguf-file", default=quiet, help="HF models: a GGUF file inside the --hf directory")
+    p.add_argument("--threads", type=int, default=quiet, help="torch CPU threads (default: torch's; use 1 when "
+                                                              "several runs share the cores)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_prompt_set_arguments(p) -> None:
+    """The flags that describe the prompt set (shared by eval, the probes and export)."""
+    quiet = argparse.SUPPRESS
+    p.add_argument("--protocol", choices=PROTOCOLS, default=quiet, help="padding protocol (default prefix)")
     p.add_argument("--stride", type=int, default=quiet, help="phase stride S (default: the model's; 8 without "
                                                              "compression)")
     p.add_argument("--residue-modulus", type=int, default=quiet, help="residues R (default 24)")
     p.add_argument("--records", type=int, default=quiet, help="records per prompt (checkpoint: its training value; "
-                                                              "HF: 64)")
+                                                              "HF: 64, 24 with --format)")
     p.add_argument("--demos", type=int, default=quiet, help="demonstrations per prompt (default 8)")
     p.add_argument("--clusters", type=int, default=quiet, help="logical examples (default: exact position matching)")
     p.add_argument("--targets-per-context", type=int, default=quiet)
@@ -46,22 +63,16 @@ def add_prompt_arguments(p) -> None:
     p.add_argument("--value-tokens", type=int, default=quiet)
     p.add_argument("--local-window", type=int, default=quiet, help="targets lie outside this many final tokens "
                                                                    "(HF default 16)")
-    p.add_argument("--batch-size", type=int, default=quiet, help="query rows per forward (default: 256 checkpoints, "
-                                                                 "32 HF)")
-    p.add_argument("--one-by-one", action="store_true", default=quiet, help="one forward per prompt (no shared "
-                                                                            "prefill)")
     p.add_argument("--seed", type=int, default=quiet)
-    p.add_argument("--device", default=quiet, help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default=quiet, help="HF models: torch dtype, e.g. bfloat16")
-    p.add_argument("--device-map", default=quiet, help="HF models: e.g. 'auto' to spread a large model over GPUs")
     p.add_argument("--format", default=quiet, help="HF models: prompt format (records, records-names, needle, bare or "
                                                    "a YAML file); default: bare single-token words")
     p.add_argument("--chat", action="store_true", default=quiet, help="HF models: wrap the --format prompts in the "
                                                                       "tokenizer's chat template")
-    p.add_argument("--gguf-file", default=quiet, help="HF models: a GGUF file inside the --hf directory")
-    p.add_argument("--threads", type=int, default=quiet, help="torch CPU threads (default: torch's; use 1 when "
-                                                              "several runs share the cores)")
-    p.add_argument("--no-progress", action="store_true")
+
+
+def given_flags(args) -> dict[str, Any]:
+    """EvalConfig fields of the flags given on the command line (unset flags are absent)."""
+    return {name: getattr(args, name) for name in _EVAL_FLAGS if hasattr(args, name)}
 
 
 def source_and_config(args):
@@ -69,8 +80,7 @@ def source_and_config(args):
     from phasekv.evaluate.sources import Source, eval_config
 
     source = Source(checkpoint=getattr(args, "checkpoint", None), hf=getattr(args, "hf", None))
-    given = {name: getattr(args, name) for name in _EVAL_FLAGS if hasattr(args, name)}
-    return source, eval_config(source, given)
+    return source, eval_config(source, given_flags(args))
 
 
 def add_parser(sub) -> None:

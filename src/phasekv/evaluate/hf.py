@@ -82,15 +82,13 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
     loads that GGUF file inside `path` through transformers' GGUF support, dequantized to `dtype`
     (needs the `gguf` extra: gguf + accelerate)."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise ValueError(f"--hf needs transformers ({exc})") from None
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
     device = resolve_device(device)
-    local = Path(path).expanduser()
-    if (local.is_absolute() or path.startswith((".", "~"))) and not local.exists():
-        raise ValueError(f"--hf {path}: no such directory")  # a path, not a hub name
+    local = _local_path(path, "--hf")
     if gguf_file is not None and not (local / gguf_file).is_file():
         raise ValueError(f"--gguf-file {gguf_file}: no such file in {path}")
     if gguf_file is None and local.is_dir() and not any(local.glob("*.safetensors")) and any(local.glob("*.bin")):
@@ -101,8 +99,8 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
     if device_map:
         kwargs["device_map"] = device_map
     source = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = load_tokenizer(path, gguf_file)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **source)
         hf_config = AutoConfig.from_pretrained(path, **source)
     except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
         raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
@@ -116,6 +114,25 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
         model = model.to(device)
     name = Path(path).name or str(path)
     return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer
+
+
+def load_tokenizer(path: str, gguf_file: str | None = None, flag: str = "--hf"):
+    """The transformers tokenizer of a local directory or hub name (no download happens offline)."""
+    from transformers import AutoTokenizer
+
+    _local_path(path, flag)
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"{flag} {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+
+
+def _local_path(path: str, flag: str) -> Path:
+    """`path` as a local path; refused when it looks like a path (not a hub name) but does not exist."""
+    local = Path(path).expanduser()
+    if (local.is_absolute() or path.startswith((".", "~"))) and not local.exists():
+        raise ValueError(f"{flag} {path}: no such directory")
+    return local
 
 
 def _first_line(exc: BaseException) -> str:

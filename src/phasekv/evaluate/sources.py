@@ -88,28 +88,35 @@ def open_model(source: Source, cfg: EvalConfig) -> tuple[Adapter, Any, dict[str,
 
         torch.set_num_threads(cfg.threads)
     if source.hf is not None:
-        from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
+        from phasekv.evaluate.hf import load_hf
 
         adapter, tokenizer = load_hf(source.hf, cfg.device, cfg.dtype, cfg.device_map, stride=cfg.stride,
                                      local_window=cfg.local_window, gguf_file=cfg.gguf_file)
-        if cfg.format is not None:
-            from phasekv.data.formats import FormatVocabulary, load_format
-
-            vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
-            kt, vt = vocab.record_shape
-            return adapter, vocab, {**HF_DEFAULTS, "n_records": 24, "key_tokens": kt, "value_tokens": vt}
-        n = cfg.records or HF_DEFAULTS["n_records"]
-        vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, cfg.key_tokens or 1), "values": 16,
-                                                "fillers": 8})
-        return adapter, vocab, dict(HF_DEFAULTS)
+        return (adapter, *tokenizer_vocabulary(tokenizer, cfg))
     adapter, defaults = open_checkpoint(source.checkpoint, cfg.device)
     return adapter, defaults.pop("vocab"), defaults
 
 
-def open_source(source: Source, cfg: EvalConfig) -> tuple[Adapter, EvalSet]:
-    """The adapter and the prompt set `cfg` describes (unset fields: the model's own values)."""
-    adapter, vocab, defaults = open_model(source, cfg)
-    settings = {
+def tokenizer_vocabulary(tokenizer, cfg: EvalConfig) -> tuple[Any, dict[str, Any]]:
+    """The vocabulary of a transformers tokenizer's prompts: `cfg.format`'s pieces, or bare single-token
+    words without a format; and the defaults for records / key and value tokens / local window."""
+    from phasekv.evaluate.hf import TokenizerVocabulary
+
+    if cfg.format is not None:
+        from phasekv.data.formats import FormatVocabulary, load_format
+
+        vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
+        kt, vt = vocab.record_shape
+        return vocab, {**HF_DEFAULTS, "n_records": 24, "key_tokens": kt, "value_tokens": vt}
+    n = cfg.records or HF_DEFAULTS["n_records"]
+    vocab = TokenizerVocabulary(tokenizer, {"keys": _words_needed(n, cfg.key_tokens or 1), "values": 16,
+                                            "fillers": 8})
+    return vocab, dict(HF_DEFAULTS)
+
+
+def prompt_settings(cfg: EvalConfig, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `build_eval_set` that `cfg` describes (unset fields: `defaults`)."""
+    return {
         "n_records": cfg.records or defaults["n_records"], "n_demos": cfg.demos,
         "residue_modulus": cfg.residue_modulus, "n_clusters": cfg.clusters,
         "targets_per_context": cfg.targets_per_context,
@@ -117,7 +124,12 @@ def open_source(source: Source, cfg: EvalConfig) -> tuple[Adapter, EvalSet]:
         "value_tokens": cfg.value_tokens or defaults["value_tokens"],
         "local_window": cfg.local_window or defaults["local_window"], "seed": cfg.seed,
     }
-    return adapter, make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **settings)
+
+
+def open_source(source: Source, cfg: EvalConfig) -> tuple[Adapter, EvalSet]:
+    """The adapter and the prompt set `cfg` describes (unset fields: the model's own values)."""
+    adapter, vocab, defaults = open_model(source, cfg)
+    return adapter, make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **prompt_settings(cfg, defaults))
 
 
 def batch_size(source: Source, cfg: EvalConfig) -> int:
