@@ -46,7 +46,8 @@ from phasekv.train import read_metrics, train
 log = logging.getLogger(__name__)
 
 PROBE_CLUSTERS = 8
-BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger"]
+BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger",
+           "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv"]
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
@@ -258,7 +259,7 @@ def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int,
         for name, args in tasks.items():
             models[name] = analyse_model(*args, bar=bar)
         bar.set_description("theory")
-        theory = run_theory(out / "theory", seed=seed, quick=quick)
+        theory = run_theory(out / "theory", seed=seed, quick=quick, progress=progress)
         bar.update()
     bar.close()
     return models, theory

@@ -150,7 +150,7 @@ def kappa_flow(settings: dict, gen: torch.Generator) -> list[dict]:
     embs = torch.stack([make_embeddings(dataclasses.replace(cfg, kappa=k))
                         for k in kf["kappas"] for _ in range(kf["seeds"])])
     flow = dataclasses.replace(settings["flow"], runs=len(embs), steps=kf["steps"], record_every=5)
-    result = train_gates(cfg, flow, embs, gen)
+    result = train_gates(cfg, flow, embs, gen, settings["progress"])
     rows = []
     for i, kappa in enumerate(kf["kappas"]):
         runs = range(i * kf["seeds"], (i + 1) * kf["seeds"])
@@ -168,7 +168,7 @@ def rho_sweep(settings: dict, gen: torch.Generator) -> list[dict]:
     for rho in rs["rhos"]:
         flow = dataclasses.replace(settings["flow"], runs=rs["runs"], steps=rs["steps"], rho=rho,
                                    record_every=rs["steps"])
-        result = train_gates(cfg, flow, emb, gen)
+        result = train_gates(cfg, flow, emb, gen, settings["progress"])
         final = final_positions(cfg, result.params, emb, settings["flow"].eval_contexts, gen)
         rows.append({"rho": rho, "runs": rs["runs"], "steps": rs["steps"],
                      "collision_rate": collision_rate(final["r_h"]),
@@ -179,7 +179,7 @@ def rho_sweep(settings: dict, gen: torch.Generator) -> list[dict]:
 def theorem2(settings: dict, gen: torch.Generator) -> tuple[dict, FlowResult, dict]:
     cfg, flow = settings["base"], settings["flow"]
     emb = make_embeddings(cfg)
-    result = train_gates(cfg, flow, emb, gen)
+    result = train_gates(cfg, flow, emb, gen, settings["progress"])
     final = final_positions(cfg, result.params, emb, flow.eval_contexts, gen)
     eye = torch.eye(cfg.stride, dtype=DTYPE)
     optimum = closed_form_losses(eye[: cfg.heads], eye[1 : cfg.heads + 1], cfg).mean().item()
@@ -299,7 +299,7 @@ def single_thread():
         torch.set_num_threads(before)
 
 
-def run_theory(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict:
+def run_theory(out_dir: str | Path, seed: int = 0, quick: bool = False, progress: bool = True) -> dict:
     """Run every check of PAPER.md section 5; write theory_summary.json and PNG figures into out_dir.
 
     Returns the summary (plain JSON values); its "figures" lists the PNG file names written.
@@ -308,14 +308,14 @@ def run_theory(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
     with single_thread():
-        return _run_theory(out, seed, quick)
+        return _run_theory(out, seed, quick, progress)
 
 
-def _run_theory(out: Path, seed: int, quick: bool) -> dict:
+def _run_theory(out: Path, seed: int, quick: bool, progress: bool = True) -> dict:
     from phasekv.figures.theory import write_theory_figures  # matplotlib only when figures are drawn
 
     out.mkdir(parents=True, exist_ok=True)
-    settings = _settings(quick)
+    settings = {**_settings(quick), "progress": progress}
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     timings = {}
