@@ -38,7 +38,7 @@ from phasekv.outputs import output_dir
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
-from phasekv.report.findings import findings
+from phasekv.report.findings import findings, fixes
 from phasekv.report.html import write_report
 from phasekv.theory import run_theory
 from phasekv.train import read_metrics, train
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 PROBE_CLUSTERS = 8
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger",
-           "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv"]
+           "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv"]
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
@@ -87,6 +87,19 @@ def bundle(run: Path, dest: Path) -> Path:
         shutil.rmtree(dest)
     tmp.rename(dest)
     return dest
+
+
+@torch.no_grad()
+def cache_bytes_per_token(model: torch.nn.Module, tokens: int = 504) -> float | None:
+    """Bytes the inference cache holds per token after prefilling `tokens` random ids (`KVCache.nbytes`,
+    every tensor of every layer); None for a model without phasekv's cache."""
+    if not hasattr(model, "new_cache"):
+        return None
+    tokens = min(tokens, model.config.max_position_embeddings)
+    cache = model.new_cache()
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    model(ids.to(next(model.parameters()).device), cache)
+    return round(cache.nbytes() / tokens, 3)
 
 
 def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -149,7 +162,8 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     adapter.info.name = name
     vocab = defaults.pop("vocab")
     facts = _model_facts(path, adapter.module)
-    result: dict[str, Any] = {"path": str(path), **facts, "phase_stride": adapter.info.stride, "seconds": {}}
+    result: dict[str, Any] = {"path": str(path), **facts, "phase_stride": adapter.info.stride, "seconds": {},
+                              "cache_bytes_per_token": cache_bytes_per_token(adapter.module)}
     clock = time.perf_counter()
 
     def lap(stage: str) -> None:
@@ -285,6 +299,7 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
             "models": models,
             "theory": theory,
             "findings": findings(models),
+            "fixes": fixes(models),
             "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain_models,
                          "train_seconds": train_times},
             "elapsed_s": round(time.perf_counter() - started, 1),

@@ -1,0 +1,51 @@
+"""The paper's orderings and the fixes table, on synthetic model summaries with known answers."""
+
+from phasekv.report.findings import covered_phases, findings, fixes, is_graded
+
+
+def model(compressor="gated", window=8, stride=8, kv=1, mean=0.5, gap=50.0, phases=None, uniform=False,
+          shared=False, bytes_per_token=320.0, period=None):
+    phases = phases if phases is not None else [mean] * stride
+    prefix = {"mean_accuracy": mean, "mean_ci": [mean - 0.01, mean + 0.01], "max_gap_pp": gap,
+              "gap_ci_pp": [gap - 1, gap + 1], "detected_period": period or stride, "flatness_p": 0.001,
+              "within_flatness_p": 0.001, "chance": 1 / 64, "per_phase": [{"accuracy": a} for a in phases]}
+    return {"compressor": compressor, "window": window if compressor != "none" else None,
+            "stride": stride if compressor != "none" else None, "uniform": uniform, "shared_payload": shared,
+            "staggered": False, "kv_heads": kv, "layers": 2, "hidden": 128, "prefix": prefix,
+            "cache_bytes_per_token": bytes_per_token}
+
+
+def by_claim(found, text):
+    return [f for f in found if f["claim"].startswith(text)]
+
+
+def test_orderings_compare_same_family_models_only_and_say_when_unmeasured():
+    models = {"w8s8": model(gap=98), "w8s4": model(stride=4, gap=40), "w8s8-4kv": model(kv=4, gap=70),
+              "full-1kv": model(compressor="none", mean=0.2, gap=2), "full-8kv": model(compressor="none", kv=8,
+                                                                                       mean=0.6, gap=3)}
+    found = findings(models)
+    gaps = by_claim(found, "gap(W8/S4) < gap(W8/S8)")
+    assert [f["models"] for f in gaps] == [["w8s4", "w8s8"]] and gaps[0]["holds"] and gaps[0]["clear"]
+    assert by_claim(found, "mean(full, 8 KV) > mean(full, 1 KV)")[0]["holds"]
+    unmeasured = by_claim(found, "mean(W8/S8 uniform)")
+    assert unmeasured[0]["holds"] is None and unmeasured[0]["measured"].startswith("not measured")
+
+
+def test_graded_shape_and_covered_phases():
+    graded = model(phases=[1, 1, 1, 1, 0.9, 0.5, 0.3, 0.05])["prefix"]
+    binary = model(phases=[1, 1, 0.02, 0.02, 0.01, 0.01, 0.01, 0.02])["prefix"]
+    assert covered_phases(graded) == 8 and is_graded(graded, 8)
+    assert covered_phases(binary) == 2 and not is_graded(binary, 8)
+    assert not is_graded({**graded, "detected_period": 4}, 8)
+
+
+def test_fixes_rows_and_goal():
+    base = model(kv=4, mean=0.86, gap=92)
+    good = model(kv=4, window=9, mean=0.95, gap=10, bytes_per_token=325.0)
+    assert fixes({"w8s8-4kv": base}) == []  # the fix was not measured: no row
+    row = fixes({"w8s8-4kv": base, "w9s8-4kv": good})[0]
+    assert row["baseline"] == "w8s8-4kv" and row["goal_met"] and row["cache_bytes_per_token"] == 325.0
+    costly = model(kv=4, window=9, mean=0.95, gap=10, bytes_per_token=640.0)  # twice the cache: not a fair fix
+    assert not fixes({"w8s8-4kv": base, "w9s8-4kv": costly})[0]["goal_met"]
+    weak = model(kv=4, window=9, mean=0.5, gap=10)  # flat but worse than the baseline's lower bound
+    assert not fixes({"w8s8-4kv": base, "w9s8-4kv": weak})[0]["goal_met"]
