@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from matplotlib.image import imread
 
 import phasekv
 from phasekv import figures
@@ -18,7 +19,9 @@ from phasekv.figures import (
     plot_gate_profiles,
     plot_gate_trajectory,
     plot_knockout_map,
+    plot_phase_heatmap,
     plot_residue_curves,
+    plot_residue_grid,
     plot_sweep,
     write_theory_figures,
 )
@@ -87,6 +90,25 @@ def test_residue_plots_write_png(tmp_path):
         assert is_png(path)
     with pytest.raises(ValueError, match="residue_modulus"):
         plot_residue_curves({"a": a, "b": {**b, "residue_modulus": 12}}, tmp_path / "bad.png")
+
+
+def _grey_pixels(path: Path) -> int:
+    """Pixels of the heatmap's 'no such phase' grey (0.85)."""
+    rgb = imread(path)[..., :3]  # (H, W, 3)
+    return int((np.abs(rgb - 0.85) < 0.01).all(axis=-1).sum())
+
+
+def test_small_multiples_and_phase_heatmap(tmp_path):
+    """One panel per model; in the heatmap a model with a smaller stride leaves its extra phases grey."""
+    a = summarize(shifted_records(phase_curve(8, fail=(7,)), 20, seed=0), stride=8, n_boot=50, n_perm=50)
+    b = summarize(shifted_records(phase_curve(4, fail=(1,)), 20, seed=1), stride=4, n_boot=50, n_perm=50)
+    curves = {f"m{i}": m for i, m in enumerate([a, b, a, b, a])}  # 5 panels: a 4 x 2 grid, 3 hidden
+    assert is_png(plot_residue_grid(curves, tmp_path / "grid.png"))
+    assert _grey_pixels(plot_phase_heatmap({"a": a, "b": b}, tmp_path / "mixed.png")) > 2_000
+    assert _grey_pixels(plot_phase_heatmap({"a": a, "a2": a}, tmp_path / "same.png")) < 200
+    for plot in (plot_residue_grid, plot_phase_heatmap):
+        with pytest.raises(ValueError, match="empty"):
+            plot({}, tmp_path / "none.png")
 
 
 def test_sweep_plot_writes_png(tmp_path):

@@ -1,8 +1,8 @@
 """Figures of the evaluation (PAPER.md sections 3 and 6): accuracy by residue and the shift sweep.
 
-`plot_accuracy_by_residue` and `plot_residue_curves` read the dict that
-`phasekv.evaluate.metrics.summarize` returns (the metrics.json contract); `plot_sweep` reads the
-sweep.json dict of `phasekv.evaluate.sweep.run_sweep`.  Each writes a PNG (or any format the file
+`plot_accuracy_by_residue`, `plot_residue_curves`, `plot_residue_grid` and `plot_phase_heatmap` read
+the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json contract); `plot_sweep`
+reads the sweep.json dict of `phasekv.evaluate.sweep.run_sweep`.  Each writes a PNG (or any format the file
 suffix names) and returns its path.
 """
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.ticker import PercentFormatter
 
 from phasekv.figures.common import new_figure, save
@@ -79,6 +80,66 @@ def plot_residue_curves(curves: dict[str, dict], path: str | Path, title: str | 
                     label=label)
     fig.legend(loc="outside lower center", ncols=1 if len(parsed) < 4 else 2, fontsize=8)
     ax.set_title(title or f"Top-1 accuracy by target position mod {R}")
+    return save(fig, path)
+
+
+def plot_residue_grid(curves: dict[str, dict], path: str | Path, title: str | None = None,
+                      ncols: int = 4) -> Path:
+    """Small multiples: one panel per model (name -> metrics dict) of accuracy by residue with Wilson
+    95% bars, its mean dashed and its own phase boundaries dotted; returns the written path.
+
+    Panels share both axes, so heights compare across models without a legend to decode.
+    """
+    if not curves:
+        raise ValueError("curves is empty: give at least one name -> metrics entry")
+    ncols = min(ncols, len(curves))
+    nrows = -(-len(curves) // ncols)
+    fig = new_figure(2.6 * ncols + 0.4, 2.1 * nrows + 0.6)
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
+    for ax, (name, m) in zip(axes, curves.items(), strict=False):
+        x, acc, err, S, R = _curve(m)
+        ax.errorbar(x, acc, yerr=err, fmt="o-", color="C0", ms=2.5, lw=1, capsize=1.5, elinewidth=0.8)
+        ax.axhline(100 * m["mean_accuracy"], color="0.3", ls="--", lw=0.8)
+        for boundary in range(S, R, S):
+            ax.axvline(boundary - 0.5, color="0.5", ls=":", lw=0.8)
+        ax.set_title(f"{name} (S={S}): gap {m['max_gap_pp']:.1f} pp", fontsize=8)
+        ax.set(xlim=(-0.7, R - 0.3), ylim=(0, 105))
+        ax.set_xticks(range(0, R, max(1, R // 4)))
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in axes[len(curves):]:
+        ax.set_visible(False)
+    axes[0].yaxis.set_major_formatter(PercentFormatter(100))
+    fig.supxlabel(f"residue = target key position mod {R} (dotted: window boundaries; dashed: mean)", fontsize=8)
+    fig.supylabel("top-1 accuracy", fontsize=8)
+    fig.suptitle(title or f"Top-1 accuracy by target position mod {R}, one panel per model", fontsize=10)
+    return save(fig, path)
+
+
+def plot_phase_heatmap(curves: dict[str, dict], path: str | Path, title: str | None = None) -> Path:
+    """Accuracy by phase as a models x phases heatmap (name -> metrics dict with `per_phase`); models
+    with a smaller stride than the widest leave their extra phases grey; returns the written path."""
+    if not curves:
+        raise ValueError("curves is empty: give at least one name -> metrics entry")
+    width = max(int(m["stride"]) for m in curves.values())
+    grid = np.full((len(curves), width), np.nan)  # (models, phases); NaN = the model has no such phase
+    for i, m in enumerate(curves.values()):
+        for row in m["per_phase"]:
+            grid[i, row["phase"]] = 100 * row["accuracy"]
+    fig = new_figure(1.2 + 0.55 * width + 1.2, 0.9 + 0.32 * len(curves))
+    ax = fig.add_subplot()
+    cmap = colormaps["viridis"].with_extremes(bad="0.85")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto",
+                      interpolation="nearest")
+    for (i, j), value in np.ndenumerate(grid):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7,
+                    color="white" if value < 60 else "black")
+    ax.set_xticks(range(width))
+    ax.set_yticks(range(len(curves)), list(curves), fontsize=8)
+    ax.set_xlabel("phase = target key position mod S (grey: beyond the model's S)")
+    ax.set_title(title or "Top-1 accuracy by phase [%]", fontsize=10)
+    fig.colorbar(image, ax=ax, label="top-1 accuracy [%]")
     return save(fig, path)
 
 

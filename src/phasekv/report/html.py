@@ -2,17 +2,21 @@
 
 Every figure is redrawn here from the numbers in the summary (the theory figures, which plot
 training trajectories that the summary does not hold, are embedded from the theory run), so the
-page and summary.json cannot disagree.  Images are embedded as base64 PNG.
+page and summary.json cannot disagree.  Images are embedded as base64 PNG, each with alt text that
+states what it shows.  The page reads top-down: the findings table, one line per model, the
+phase-by-model heatmap, then per protocol a table and one small residue panel per model, then the
+probes.  Every section is an <h2> with an id (`SECTIONS`), which the browser test checks.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 from typing import Any
 
-from phasekv.figures.evaluation import plot_residue_curves
+from phasekv.figures.evaluation import plot_phase_heatmap, plot_residue_grid
 from phasekv.figures.probes import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
 
 STYLE = """
@@ -20,13 +24,33 @@ body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#22
 table{border-collapse:collapse;margin:1em 0;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #eee}
 .ok{color:#1a7f37;font-weight:600}.no{color:#c62828;font-weight:600}.note{color:#555;font-size:14px}
-figure{margin:1.2em 0}figcaption{font-size:13px;color:#555}
+figure{margin:1.2em 0}figcaption{font-size:13px;color:#555}ul.models{font-size:14px;padding-left:1.2em}
+table.findings td,table.findings th{text-align:left}
 """
+# the sections every report has, in page order (id -> heading); the probes' sections follow when measured
+SECTIONS = {"findings": "Findings", "models": "Models at a glance (prefix padding)",
+            "phase-heatmap": "Accuracy by phase", "prefix": "prefix padding", "insequence": "insequence padding"}
+THEORY_ALT = {
+    "theory_training.png": "Theory model training: population loss over steps for every seed, the key and value "
+                           "gate positions r_h each head settles on, and how often two heads collide.",
+    "theory_concentration.png": "Theory model: effective number of offsets falling to one over training, the "
+                                "concentration plane and the speed of static concentration.",
+    "theory_retrieval.png": "Theory model: probability of the correct successor per position for trained gates "
+                            "and at the Theorem 1 optimum, against chance.",
+    "theory_optimum.png": "Theory model: context loss of every one-hot gate assignment by rank, random and "
+                          "smoothed assignments, and where a spread assignment would beat one-hot.",
+}
 
 
-def _img(path: Path, caption: str) -> str:
+
+def _h2(key: str, text: str) -> str:
+    return f"<h2 id='{key}'>{html.escape(text)}</h2>"
+
+
+def _img(path: Path, caption: str, alt: str | None = None) -> str:
+    """A figure with the PNG embedded; `alt` (default: the caption) is what a reader without it gets."""
     data = base64.b64encode(path.read_bytes()).decode()
-    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+    return (f'<figure><img alt="{html.escape(alt or caption)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
@@ -59,15 +83,17 @@ def write_report(summary: dict[str, Any], out: str | Path) -> Path:
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     models = summary["models"]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>phasekv report</title>"
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>phasekv report</title>"
              f"<style>{STYLE}</style></head><body>",
-             "<h1>Phase sensitivity from chunked KV-cache compression: reproduction report</h1>",
-             "<p class='note'>Every number on this page is read from summary.json in the same directory, and "
-             "every figure is redrawn from it. Accuracy is full-vocabulary top-1 of the answer; residue = target "
-             "key position mod 24; phase = position mod S. Gaps are best minus worst residue group (the paper's "
-             "definition, biased upward by noise); the cross-fitted gap chooses the groups on half of the "
-             "clusters and measures them on the other half.</p>"]
+             "<h1>Phase sensitivity from chunked KV-cache compression: reproduction report</h1>"]
     parts += _findings(summary["findings"])
+    parts.append("<p class='note'>Every number on this page is read from summary.json in the same directory, and "
+                 "every figure is redrawn from it. Accuracy is full-vocabulary top-1 of the answer; residue = target "
+                 "key position mod 24; phase = position mod S. Gaps are best minus worst residue group (the paper's "
+                 "definition, biased upward by noise); the cross-fitted gap chooses the groups on half of the "
+                 "clusters and measures them on the other half.</p>")
+    parts += _fixes(summary.get("fixes") or [])
+    parts += _glance(models, figs)
     parts += _protocols(models, figs)
     parts += _knockouts(models, figs)
     parts += _gates(models, figs)
@@ -81,7 +107,8 @@ def write_report(summary: dict[str, Any], out: str | Path) -> Path:
 
 
 def _findings(findings: list[dict[str, Any]]) -> list[str]:
-    parts = ["<h2>Findings</h2><table><tr><th>claim (PAPER.md section 6)</th><th>measured</th><th>verdict</th></tr>"]
+    parts = [_h2("findings", SECTIONS["findings"]),
+             "<table class='findings'><tr><th>claim (PAPER.md section 6)</th><th>measured</th><th>verdict</th></tr>"]
     for f in findings:
         verdict = ("<span class='note'>not measured</span>" if f["holds"] is None else
                    "<span class='ok'>reproduced</span>" if f["holds"] else "<span class='no'>NOT reproduced</span>")
@@ -90,24 +117,59 @@ def _findings(findings: list[dict[str, Any]]) -> list[str]:
     return [*parts, "</table>"]
 
 
+def _short_verdict(p: dict[str, Any]) -> str:
+    """'phase sensitive', 'no phase effect detected' or 'cannot do the task': the verdict before its numbers."""
+    return re.split(r"[:(]", p.get("verdict", "n/a"))[0].strip()
+
+
+def _glance(models: dict[str, Any], figs: Path) -> list[str]:
+    """One line per model (prefix padding: mean, chance, gap, period, verdict) and the phase heatmap."""
+    lines = []
+    for name, m in models.items():
+        p = m["prefix"]
+        lines.append(f"<li><b>{html.escape(name)}</b>: mean {_pct(p['mean_accuracy'])}% (chance "
+                     f"{_pct(p.get('chance'))}%), gap {p['max_gap_pp']:.1f} pp, period {p['detected_period']} "
+                     f"(S = {p['stride']}): {html.escape(_short_verdict(p))}</li>")
+    curves = {n: m["prefix"] for n, m in models.items()}
+    strong = {n: [str(r["phase"]) for r in p["per_phase"] if r["accuracy"] >= 0.5] for n, p in curves.items()}
+    cells = "; ".join(f"{n}: {', '.join(v) or 'none'}" for n, v in strong.items())
+    heatmap = _img(plot_phase_heatmap(curves, figs / "phase_heatmap.png"),
+                   "Top-1 accuracy by phase (position mod S), one row per model, prefix padding; grey cells lie "
+                   "beyond a model's stride S.",
+                   alt=f"Heatmap of accuracy by phase, rows models, columns phases. Phases at 50% or more: {cells}.")
+    return [_h2("models", SECTIONS["models"]), f"<ul class='models'>{''.join(lines)}</ul>",
+            _h2("phase-heatmap", SECTIONS["phase-heatmap"]), heatmap]
+
+
 def _protocols(models: dict[str, Any], figs: Path) -> list[str]:
     parts = []
     for protocol in ("prefix", "insequence"):
-        parts.append(f"<h2>{protocol} padding</h2>")
-        parts.append(_table(models, protocol))
-        path = plot_residue_curves({n: m[protocol] for n, m in models.items()}, figs / f"residue_{protocol}.png",
-                                   title=f"Accuracy by residue, {protocol} padding (Wilson 95% intervals)")
-        parts.append(_img(path, f"Accuracy by target position mod 24, all models, {protocol} padding."))
+        curves = {n: m[protocol] for n, m in models.items()}
+        path = plot_residue_grid(curves, figs / f"residue_{protocol}.png",
+                                 title=f"Accuracy by residue, {protocol} padding (Wilson 95% intervals)")
+        alt = "; ".join(f"{n}: mean {_pct(p['mean_accuracy'])}%, gap {p['max_gap_pp']:.1f} pp, worst residue "
+                        f"{p.get('worst_residue', 'n/a')}" for n, p in curves.items())
+        parts += [_h2(protocol, SECTIONS[protocol]), _table(models, protocol),
+                  _img(path, f"Accuracy by target position mod 24, one panel per model, {protocol} padding "
+                             "(dotted: window boundaries; dashed: the model's mean).",
+                       alt=f"Small multiples of accuracy by residue, {protocol} padding. {alt}.")]
     return parts
 
 
 def _knockouts(models: dict[str, Any], figs: Path) -> list[str]:
-    parts = ["<h2>Knockouts (mean replacement, prefix padding)</h2>"]
-    for name, m in models.items():
-        if m.get("knockout", {}).get("rows"):
-            path = plot_knockout_map(m["knockout"], figs / f"knockout_{name}.png")
-            parts.append(_img(path, f"{name}: relative accuracy change per phase when a KV head's query heads "
-                                    "are replaced by their calibration mean at the final position."))
+    knocked = {n: m["knockout"] for n, m in models.items() if m.get("knockout", {}).get("rows")}
+    if not knocked:
+        return []
+    parts = [_h2("knockouts", "Knockouts (mean replacement, prefix padding)")]
+    for name, knockout in knocked.items():
+        path = plot_knockout_map(knockout, figs / f"knockout_{name}.png")
+        heads = "; ".join(f"layer {r['layer']} KV head {r['kv_head']}: "
+                          + ("n/a" if r["mean_rel_change_pct"] is None else f"{r['mean_rel_change_pct']:.0f}%")
+                          for r in knockout["rows"])  # None: clean accuracy 0, no relative change
+        parts.append(_img(path, f"{name}: relative accuracy change per phase when a KV head's query heads "
+                                "are replaced by their calibration mean at the final position.",
+                          alt=f"{name}: knockout heatmap, KV heads by phase. Mean accuracy change per head: "
+                              f"{heads}."))
     return parts
 
 
@@ -115,7 +177,7 @@ def _gates(models: dict[str, Any], figs: Path) -> list[str]:
     gated = {n: m for n, m in models.items() if m.get("gates")}
     if not gated:
         return []
-    parts = ["<h2>Gate concentration</h2><p class='note'>Effective number of offsets: static = "
+    parts = [_h2("gates", "Gate concentration"), "<p class='note'>Effective number of offsets: static = "
              "exp(H(E[alpha])), per-window = E[exp(H(alpha))]; 1 = one-hot, W = uniform. Vector gates: "
              "per channel, then averaged.</p>"]
     all_gates = [dict(g, layer=f"{n} L{g['layer']}") for n, m in gated.items() for g in m["gates"]]
@@ -133,7 +195,7 @@ def _cycling(models: dict[str, Any], figs: Path) -> list[str]:
     cycled = {n: m for n, m in models.items() if m.get("cycling")}
     if not cycled:
         return []
-    parts = ["<h2>Gate cycling (W = S)</h2><table><tr><th>model</th><th>delta</th>"
+    parts = [_h2("cycling", "Gate cycling (W = S)"), "<table><tr><th>model</th><th>delta</th>"
              "<th>R&sup2; excl. boundary</th><th>R&sup2; all</th><th>MAE</th></tr>"]
     for name, m in cycled.items():
         for row in m["cycling"]["deltas"]:
@@ -152,9 +214,29 @@ def _cycling(models: dict[str, Any], figs: Path) -> list[str]:
 def _theory(theory: dict[str, Any], out: Path) -> list[str]:
     if not theory:
         return []
-    parts = ["<h2>Theory: the idealized induction model</h2>"]
+    parts = [_h2("theory", "Theory: the idealized induction model")]
     for name in theory.get("figures", []):
         path = out / "theory" / name
         if path.is_file():
-            parts.append(_img(path, f"Theory model: {name}"))
+            parts.append(_img(path, f"Theory model: {name}", alt=THEORY_ALT.get(name)))
     return parts
+
+
+def _fixes(rows: list[dict[str, Any]]) -> list[str]:
+    """The fixes table (beyond the paper): each fix beside its baseline at (nearly) equal cache bytes."""
+    if not rows:
+        return []
+    parts = [_h2("fixes", "Fixes (beyond the paper)") + "<table><tr><th>fix</th><th>baseline</th><th>cache bytes/token "
+             "(fix / baseline)</th><th>mean % [95% CI]</th><th>worst phase %</th><th>gap pp [95% CI]</th>"
+             "<th>period</th><th>flatness p</th><th>goal met</th></tr>"]
+    for r in rows:
+        ci, gci = r["mean_ci"], r["gap_ci_pp"]
+        goal = "<span class='ok'>yes</span>" if r["goal_met"] else "<span class='no'>no</span>"
+        parts.append(f"<tr><td>{html.escape(r['name'])}</td><td>{html.escape(r['baseline'])}</td>"
+                     f"<td>{r['cache_bytes_per_token']} / {r['baseline_cache_bytes_per_token']}</td>"
+                     f"<td>{100 * r['mean_accuracy']:.1f} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]</td>"
+                     f"<td>{100 * r['worst_phase_accuracy']:.1f}</td>"
+                     f"<td>{r['max_gap_pp']:.1f} [{gci[0]:.1f}, {gci[1]:.1f}]</td><td>{r['detected_period']}</td>"
+                     f"<td>{r['flatness_p']:.3g}</td><td>{goal}</td></tr>")
+    return [*parts, "</table><p class='note'>Goal: gap at most a third of the baseline's, mean no lower than the "
+            "baseline's lower interval bound, cache bytes within 5%.</p>"]
