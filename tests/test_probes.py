@@ -344,9 +344,12 @@ def test_cycling_controls_roll_or_average_the_payloads_and_restore(vocab, eval_s
 
 
 def test_cycling_reports_intervals_and_controls(vocab, eval_set):
-    result = run_cycling(phasekv_adapter(vocab), eval_set, deltas=[0, 1], progress=False, n_boot=200)
+    result = run_cycling(phasekv_adapter(vocab), eval_set, deltas=[-3, 0, 1], progress=False, n_boot=200)
     rolled = result["controls"]["rolled_payloads"]["deltas"]
-    assert rolled[0]["matches_clean"] and result["controls"]["averaged_payloads"]["deltas"][0]["matches_clean"]
+    averaged = result["controls"]["averaged_payloads"]
+    # controls skip delta 0 (the clean model) and shifts beyond 2
+    assert [r["delta"] for r in rolled] == [r["delta"] for r in averaged["deltas"]] == [1]
+    assert len(averaged["clean"]["per_phase"]) == len(result["clean"]["per_phase"])
     for row in result["deltas"] + rolled:
         ci = row["r2_excl_boundary_ci"]
         assert ci is None or ci[0] <= ci[1] <= 1.0

@@ -205,9 +205,14 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     return result
 
 
+CONTROL_MAX_SHIFT = 2  # the controls run on the non-zero deltas up to this shift
+
+
 def _controls(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_records: list[dict],
               inner: np.ndarray, run: dict[str, Any]) -> dict[str, Any]:
-    """The two zero-cost controls that say why per-offset payload maps break gate-only cycling."""
+    """The two zero-cost controls that say why per-offset payload maps break gate-only cycling (on the
+    non-zero deltas with |delta| <= 2: delta 0 is the clean model, and two shifts each way suffice)."""
+    deltas = [d for d in deltas if d != 0 and abs(d) <= CONTROL_MAX_SHIFT] or deltas
     rolled = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: rolled_payloads(adapter, d), inner,
                          run, "cycling, payloads rolled too")
     prompts = [torch.tensor(p.ids) for p in eval_set.prompts()]
