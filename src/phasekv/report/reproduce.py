@@ -257,8 +257,9 @@ def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int,
         # way); the theory model runs beside them
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx) as pool:
-            futures = {pool.submit(_analyse_in_worker, args): name for name, args in tasks.items()}
-            futures[pool.submit(_theory_in_worker, out / "theory", seed, quick)] = "theory"
+            # the theory first: submitted last, it ran alone at the end while the other worker idled
+            futures = {pool.submit(_theory_in_worker, out / "theory", seed, quick): "theory"}
+            futures.update({pool.submit(_analyse_in_worker, args): name for name, args in tasks.items()})
             for future in concurrent.futures.as_completed(futures):
                 name = futures[future]
                 if name == "theory":
