@@ -15,9 +15,13 @@ SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8
          "w8s8-stagger"}  # the last one goes beyond the paper: staggered window offsets per layer
 
 
-@pytest.mark.parametrize("scale, extra", [("cpu", {"full-1kv-long"}), ("paper", set())])
+# cpu only: full attention with twice the steps (it learns the task slowly at this scale), and the 4-KV-head family
+# that gives the cpu scale enough compressor heads for graded curves (plus the one-token-overlap fix, W9/S8)
+CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv"}
+
+
+@pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])
 def test_every_sweep_variant_has_a_preset(scale, extra):
-    # cpu only: full attention with twice the steps, since it learns the task slowly at this scale
     assert {p.stem for p in (CONFIGS / scale).glob("*.yaml")} == SWEEP | extra
 
 
