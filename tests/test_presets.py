@@ -17,7 +17,8 @@ SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8
 
 # cpu only: full attention with twice the steps (it learns the task slowly at this scale), and the 4-KV-head family
 # that gives the cpu scale enough compressor heads for graded curves (plus the one-token-overlap fix, W9/S8)
-CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv"}
+CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
+             "dsv4-hca", "dsv4-csa", "dsv32-dsa", "qwen3-full"}  # the last four: transformers-family models
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])
@@ -27,11 +28,18 @@ def test_every_sweep_variant_has_a_preset(scale, extra):
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "cpu").glob("*.yaml")), ids=lambda p: p.stem)
 def test_cpu_presets_build_and_run(path):
+    from phasekv import families
+
     exp = Experiment.from_file(path)
-    assert ModelConfig(**load_yaml(path)["model"]) == exp.model
-    model = build_model(exp.model)
+    section = load_yaml(path)["model"]
+    if "model_type" in section:  # a transformers-family model, built by transformers' own class
+        model = families.build(exp.model)
+        assert type(model).__module__.startswith("transformers.models." + section["model_type"])
+    else:
+        assert ModelConfig(**section) == exp.model
+        model = build_model(exp.model)
     with torch.no_grad():
-        assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, exp.model.vocab_size)
+        assert families.logits(model, torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, exp.model.vocab_size)
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "paper").glob("*.yaml")), ids=lambda p: p.stem)

@@ -167,3 +167,41 @@ def test_trains_saves_loads_and_evaluates(name, tmp_path):
     flags = ["--clusters", "2", "--records", "24", "--demos", "4", "--no-progress", "--seed", "3", "--one-by-one"]
     assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "eval"), *flags]) == 0
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["n_prompts"] > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_warmup_selects_every_candidate_and_restores_the_top_k(name):
+    from phasekv.indexer import dense_selection
+
+    model = build(name).train()
+    before = [module.index_topk for _, module, _ in indexers_of(model)]
+    ids = ids_for(5, batch=2)
+    with dense_selection(model, ids.shape[1]) as changed, distillation(model) as state:
+        families.logits(model, ids)
+        records = list(state.records.values())
+    assert changed == len(before) and records
+    for record in records:  # every causal candidate selected: the main attention is dense
+        assert record.candidates.any() and not (record.candidates & ~record.selected).any()
+    assert [module.index_topk for _, module, _ in indexers_of(model)] == before
+    with dense_selection(model, ids.shape[1], on=False) as changed:
+        assert changed == 0
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-csa", "deepseek-v32-dsa"])
+def test_knockout_hooks_act_on_the_real_output_projection_at_the_final_position_only(name):
+    from phasekv.probes.hooks import capture_final_head_outputs, replace_heads
+
+    model = build(name).eval()
+    adapter = HFAdapter(model, name)
+    ids = ids_for(6, batch=2, length=24)
+    with capture_final_head_outputs(adapter) as captured:
+        clean = adapter.logits(ids)
+    info = adapter.info
+    assert all(c[0].shape == (2, info.num_heads * info.head_dim) for c in captured)
+    for layer in range(info.num_layers):
+        own = captured[layer][0][0]  # prompt 0's own head outputs: a no-op for prompt 0, a change for prompt 1
+        with replace_heads(adapter, layer, list(range(info.num_heads)), own):
+            knocked = adapter.logits(ids)
+        torch.testing.assert_close(knocked[:, :-1], clean[:, :-1], rtol=0, atol=0)
+        torch.testing.assert_close(knocked[0], clean[0], rtol=1e-5, atol=1e-5)
+        assert (knocked[1, -1] - clean[1, -1]).abs().max() > 1e-4

@@ -7,6 +7,7 @@ import pytest
 
 from phasekv.cli import main
 from phasekv.config import Experiment
+from phasekv.report.html import write_report
 from phasekv.report.reproduce import bundle
 from phasekv.train import train
 
@@ -60,3 +61,9 @@ def test_reproduce_end_to_end(tmp_path, capsys):
     assert page.count("data:image/png;base64,") >= 8
     # the report's table shows summary.json's numbers
     assert f"{100 * w['prefix']['mean_accuracy']:.1f}" in page
+    # the per-model figures drawn by the workers are the ones a redraw from summary.json alone makes
+    redrawn = tmp_path / "redrawn"
+    write_report(summary, redrawn)
+    names = sorted(p.name for p in (out / "figures").iterdir())
+    assert names == sorted(p.name for p in (redrawn / "figures").iterdir())
+    assert {"knockout_w4s4.png", "cycling_w4s4.png", "knockout_full-1kv.png"} <= set(names)

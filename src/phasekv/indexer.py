@@ -270,3 +270,23 @@ def _record(state: Distillation, key: int, kind: _Kind, scorer_out: dict):
 def _detach_inputs(module, args, kwargs):
     return (tuple(a.detach() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args),
             {k: v.detach() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()})
+
+
+@contextlib.contextmanager
+def dense_selection(model: nn.Module, tokens: int, on: bool = True) -> Iterator[int]:
+    """While active (and `on`), every transformers indexer of `model` keeps every candidate of a `tokens`-long
+    sequence: its top-k is raised to `tokens` (rounded up to whole pools), so the main attention is dense and the
+    KL distillation above trains the indexer on all causal candidates: DeepSeek-V3.2's dense warm-up stage
+    (there the main model is frozen during warm-up; phasekv trains both).  Yields the number of indexers
+    changed; the original top-k values are restored on exit, whatever happens."""
+    changed: list[tuple[nn.Module, int]] = []
+    try:
+        if on:
+            for _, module, _ in indexers_of(model):
+                pool = int(getattr(module, "index_kpool", 1) or 1)
+                changed.append((module, module.index_topk))
+                module.index_topk = -(-int(tokens) // pool) * pool
+        yield len(changed)
+    finally:
+        for module, topk in changed:
+            module.index_topk = topk

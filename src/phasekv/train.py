@@ -299,9 +299,11 @@ def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     return [g for g in ([p for p in model.parameters() if id(p) not in ids], own) if g]
 
 
-def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -> tuple[float, int, float | None]:
+def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float, dense: bool = False
+                ) -> tuple[float, int, float | None]:
     """One optimizer step over the micro-batches `parts`; (global mean LM loss, tokens seen by all ranks, mean
-    indexer loss or None for a model without an indexer)."""
+    indexer loss or None for a model without an indexer).  `dense`: the indexers' dense warm-up (every candidate
+    selected)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_mult"]
     count = dd.all_sum(torch.tensor(float(sum(int((lab != -100).sum()) for _, lab in parts))))
@@ -312,6 +314,7 @@ def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float) -
         ids, labels = ids.to(dd.device), labels.to(dd.device)
         sync = a == cfg.grad_accum - 1 or dd.world == 1
         with ddp.no_sync() if not sync else contextlib.nullcontext(), \
+                indexer.dense_selection(families.unwrap(model), ids.shape[1], on=dense), \
                 indexer.distillation(families.unwrap(model)) as distill:
             loss = token_losses(ddp, ids, labels) / count * dd.world  # DDP averages over ranks
             aux = distill.loss()
@@ -341,7 +344,8 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
     model.train()
     for step in bar:
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
-        loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step))
+        loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step),
+                                                     dense=step < cfg.indexer_dense_steps)
         tokens_since += tokens
         if not math.isfinite(loss_value):
             bar.close()

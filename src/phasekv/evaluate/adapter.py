@@ -124,8 +124,9 @@ class HFAdapter(Adapter):
         if layers is None:
             raise ValueError(f"{self.info.name}: cannot find decoder layers (looked for model.layers)")
         attn = [getattr(layer, "self_attn", None) for layer in layers]
-        if any(a is None or not hasattr(a, "o_proj") for a in attn):
-            raise ValueError(f"{self.info.name}: layers have no self_attn.o_proj (Qwen/Llama-style models only)")
+        if any(a is None or not (hasattr(a, "o_proj") or hasattr(a, "o_a_proj")) for a in attn):
+            raise ValueError(f"{self.info.name}: layers have no self_attn.o_proj (Qwen/Llama-style, MLA or "
+                             "DeepSeek-V4 models only)")
         return attn
 
     @torch.no_grad()

@@ -96,17 +96,18 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
 
 def evaluate(adapter: Adapter, eval_set: EvalSet, out: str | Path | None = None, batch_size: int = 32,
              multi_query: bool = True, seed: int = 0, n_boot: int = 2000, progress: bool = True,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Predict, summarize and (with `out`) write metrics.json, predictions.jsonl, accuracy_by_residue.png."""
+             extra: dict[str, Any] | None = None, figures: bool = True) -> dict[str, Any]:
+    """Predict, summarize and (with `out`) write metrics.json, predictions.jsonl and (with `figures`)
+    accuracy_by_residue.png."""
     records = predict(adapter, eval_set, batch_size, multi_query, progress, desc=f"eval {eval_set.protocol}")
-    return write_run(adapter, eval_set, records, out, seed, n_boot, extra)
+    return write_run(adapter, eval_set, records, out, seed, n_boot, extra, figures=figures)
 
 
 def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]], out: str | Path | None,
               seed: int = 0, n_boot: int = 2000, extra: dict[str, Any] | None = None,
-              judge: Callable[[dict, float], dict] = task_verdict) -> dict[str, Any]:
+              judge: Callable[[dict, float], dict] = task_verdict, figures: bool = True) -> dict[str, Any]:
     """metrics.json (statistics + position matching + settings + `judge`'s chance and verdict),
-    predictions.jsonl and the figure."""
+    predictions.jsonl and (with `figures`) the figure."""
     metrics = summarize(records, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
                         n_boot=n_boot, seed=seed)
     metrics.update(judge(metrics, eval_set.chance))
@@ -127,8 +128,9 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
         with open(out / "predictions.jsonl", "w") as f:
             for r in records:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
-        plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
-                                 title=f"{adapter.info.name}: {eval_set.protocol} padding")
+        if figures:
+            plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
+                                     title=f"{adapter.info.name}: {eval_set.protocol} padding")
         log.info("wrote %s", out)
     return metrics
 

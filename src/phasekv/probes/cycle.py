@@ -174,7 +174,8 @@ def _cycle_rows(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_re
 
 def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = range(-3, 4),
                 out_dir: str | Path | None = None, batch_size: int = 32, progress: bool = True,
-                multi_query: bool = True, controls: bool = True, n_boot: int = 1000) -> dict[str, Any]:
+                multi_query: bool = True, controls: bool = True, n_boot: int = 1000, figures: bool = True
+                ) -> dict[str, Any]:
     """Evaluate the model with its gates cycled by each delta and compare to A_0((r - delta) mod S).
 
     Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases other
@@ -182,7 +183,7 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     absolute error over all phases, as a fraction).  With `controls` and per-offset payload maps,
     `controls` holds the same rows for `rolled_payloads` (maps rolled with the gates) and for
     `averaged_payloads` (maps replaced by their gate-weighted average first; its own clean profile).
-    With `out_dir`, writes cycling.json and cycling.png.
+    With `out_dir`, writes cycling.json and (with `figures`) cycling.png.
     """
     S = cycle_stride(adapter)
     if eval_set.stride != S:
@@ -201,7 +202,7 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     if controls and offset_payload_maps(adapter):
         result["controls"] = _controls(adapter, eval_set, deltas, clean_records, inner, run)
     if out_dir is not None:
-        write_result(out_dir, "cycling", result, plot_cycling)
+        write_result(out_dir, "cycling", result, plot_cycling if figures else None)
     return result
 
 

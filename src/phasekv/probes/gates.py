@@ -109,9 +109,9 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
 
 def gate_report(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[torch.Tensor],
                 out_dir: str | Path | None = None, top: int = 4, batch_size: int = 16,
-                progress: bool = True) -> dict[str, Any]:
-    """Gate statistics of every gate, and (with `out_dir`) gates.json, concentration_plane.png and
-    gate_profiles.png (the `top` heads with the most concentrated key gates, value profile beside)."""
+                progress: bool = True, figures: bool = True) -> dict[str, Any]:
+    """Gate statistics of every gate, and (with `out_dir`) gates.json and (with `figures`) concentration_plane.png
+    and gate_profiles.png (the `top` heads with the most concentrated key gates, value profile beside)."""
     gates = gate_statistics(model, prompt_ids, batch_size, progress)
     result: dict[str, Any] = {"gates": gates, "figures": {}}
     if any(g["kind"] == "vector" for g in gates):
@@ -119,9 +119,10 @@ def gate_report(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[torc
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        plane = plot_concentration_plane(gates, out / "concentration_plane.png")
-        result["figures"] = {"concentration_plane": str(plane),
-                             "gate_profiles": str(plot_gate_profiles(gates, out / "gate_profiles.png", top))}
+        if figures:
+            plane = plot_concentration_plane(gates, out / "concentration_plane.png")
+            result["figures"] = {"concentration_plane": str(plane),
+                                 "gate_profiles": str(plot_gate_profiles(gates, out / "gate_profiles.png", top))}
         (out / "gates.json").write_text(json.dumps(result, indent=2) + "\n")
         log.info("wrote %s", out)
     return result

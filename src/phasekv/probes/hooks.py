@@ -2,7 +2,11 @@
 
 The o_proj hooks sit on the input of each layer's `o_proj`, i.e. the per-head attention outputs
 before the output projection, laid out (B, T, H * D) with query head h in dims h*D .. (h+1)*D-1.
-That module exists with that meaning in phasekv models and in HF Qwen3 / Llama models alike.
+That module exists with that meaning in phasekv models and in HF Qwen3 / Llama models alike (and in the MLA
+attention of DeepSeek-V3.2 and GLM-5.3, with D = v_head_dim).  DeepSeek-V4 has no o_proj: its grouped low-rank
+output projection `o_a_proj` reads the per-head outputs as (B, T, groups, H * D / groups), which flattens to the
+same layout, so the hooks sit there (`output_projection`); with V4's single KV head a KV-head knockout is a
+whole-layer knockout.
 Query head h reads KV head h // (H / KVH) (grouped-query attention, as HF's `repeat_kv`).
 
 They act at the final position of a forward, which is the query position of a full prompt and of
@@ -51,6 +55,19 @@ class QueryOnly(Adapter):
         return self.inner.continue_from(cache, ids, repeats)
 
 
+def output_projection(attn: nn.Module) -> nn.Module:
+    """The module whose input is `attn`'s per-head output: `o_proj`, or DeepSeek-V4's grouped `o_a_proj`."""
+    for name in ("o_proj", "o_a_proj"):
+        if isinstance(getattr(attn, name, None), nn.Module):
+            return getattr(attn, name)
+    raise ValueError(f"{type(attn).__name__}: no o_proj (or DeepSeek-V4 o_a_proj) to hook")
+
+
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """An output projection's input as (B, T, H * D) (V4's grouped (B, T, groups, H * D / groups) flattened)."""
+    return x.flatten(2) if x.dim() == 4 else x
+
+
 def _armed(adapter: Adapter) -> bool:
     return getattr(adapter, "armed", True)
 
@@ -75,8 +92,8 @@ def capture_final_head_outputs(adapter: Adapter) -> Iterator[list[list[torch.Ten
         for i, attn in enumerate(adapter.attention_layers()):
             def hook(module, args, i=i):
                 if _armed(adapter):
-                    captured[i].append(args[0][:, -1].detach().float().cpu())
-            handles.append(attn.o_proj.register_forward_pre_hook(hook))
+                    captured[i].append(_per_head(args[0])[:, -1].detach().float().cpu())
+            handles.append(output_projection(attn).register_forward_pre_hook(hook))
         yield captured
     finally:
         for h in handles:
@@ -95,11 +112,11 @@ def replace_heads(adapter: Adapter, layer: int, heads: list[int], mean: torch.Te
     def hook(module, args):
         if not _armed(adapter):
             return None
-        x = args[0].clone()
-        x[:, -1, dims.to(x.device)] = mean[dims].to(device=x.device, dtype=x.dtype)
+        x = args[0].clone(memory_format=torch.contiguous_format)  # contiguous: _per_head(x) is a view of it
+        _per_head(x)[:, -1, dims.to(x.device)] = mean[dims].to(device=x.device, dtype=x.dtype)  # a view of x
         return (x, *args[1:])
 
-    handle = adapter.attention_layers()[layer].o_proj.register_forward_pre_hook(hook)
+    handle = output_projection(adapter.attention_layers()[layer]).register_forward_pre_hook(hook)
     try:
         yield
     finally:

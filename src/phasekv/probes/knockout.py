@@ -110,13 +110,13 @@ def knockout_intervals(clean: list[dict], knocked: list[dict], stride: int, n_bo
 
 def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_dir: str | Path | None = None,
                  whole_layer: bool = False, batch_size: int = 32, progress: bool = True,
-                 multi_query: bool = True) -> dict[str, Any]:
+                 multi_query: bool = True, figures: bool = True) -> dict[str, Any]:
     """Knock out every (layer, KV head) (or every layer) in turn; JSON-ready results.
 
     Returns {clean: accuracies, rows: [{layer, kv_head (None: whole layer), accuracy, per_phase,
     per_residue, per_phase_rel_change_pct, per_residue_rel_change_pct, mean_rel_change_pct}], ...};
     mean_rel_change_pct is the relative change of the accuracy over all prompts.  With `out_dir`,
-    writes knockout.json and the map knockout.png (rows layer x KV head, columns phase).
+    writes knockout.json and (with `figures`) the map knockout.png (rows layer x KV head, columns phase).
     """
     check_disjoint(eval_set, calib_set)
     S, R = eval_set.stride, eval_set.residue_modulus
@@ -141,7 +141,7 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
               "n_calibration": len(calib_set.queries()), "eval_seed": eval_set.settings.get("seed"),
               "calibration_seed": calib_set.settings.get("seed"), "clean": clean, "rows": rows, "heatmap": None}
     if out_dir is not None:
-        write_result(out_dir, "knockout", result, plot_knockout_map, key="heatmap")
+        write_result(out_dir, "knockout", result, plot_knockout_map if figures else None, key="heatmap")
     return result
 
 

@@ -12,11 +12,13 @@ log = logging.getLogger(__name__)
 
 
 def write_result(out_dir: str | Path, stem: str, result: dict[str, Any],
-                 plot: Callable[[dict[str, Any], Path], Path], key: str = "figure") -> dict[str, Any]:
-    """Draw `plot(result, out_dir/stem.png)`, record its path under `key`, write out_dir/stem.json."""
+                 plot: Callable[[dict[str, Any], Path], Path] | None, key: str = "figure") -> dict[str, Any]:
+    """Draw `plot(result, out_dir/stem.png)` (None: no figure), record its path under `key`, write
+    out_dir/stem.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result[key] = str(plot(result, out / f"{stem}.png"))
+    if plot is not None:
+        result[key] = str(plot(result, out / f"{stem}.png"))
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     log.info("wrote %s", out)
     return result

@@ -3,7 +3,8 @@
 For every model: both padding protocols, then knockout maps, gate concentration and profiles
 (compressed models), gate cycling (W = S gated models), and once the theory model.  Everything
 lands in OUT/summary.json (the one source of truth) and OUT/report.html, whose figures are drawn
-from summary.json's numbers (`phasekv.report.html`).  `--train` first retrains every model from
+from summary.json's numbers (`phasekv.report.html`; OUT/models/NAME/ holds each analysis's JSON and
+predictions, without the per-analysis figures that the report draws anyway).  `--train` first retrains every model from
 its preset in configs/cpu/ with `phasekv train` (the command that made the bundled checkpoints);
 `--bundle DIR` then stores compact copies (float16 weights, config, metrics, gate snapshots).
 
@@ -39,7 +40,7 @@ from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycli
 from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
 from phasekv.report.findings import findings, fixes
-from phasekv.report.html import write_report
+from phasekv.report.html import model_figures, write_report
 from phasekv.theory import run_theory
 from phasekv.train import read_metrics, train
 
@@ -152,6 +153,10 @@ def _analyse_in_worker(args: tuple) -> dict[str, Any]:
     return analyse_model(*args, bar=_NoBar())
 
 
+def _figures_in_worker(name: str, result: dict[str, Any], figs: Path) -> dict[str, str]:
+    return model_figures(name, result, figs)
+
+
 def _theory_in_worker(out: Path, seed: int, quick: bool) -> dict[str, Any]:
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the parent's bar is the one progress display
     return run_theory(out, seed=seed, quick=quick)
@@ -177,7 +182,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
         bar.set_description(f"{name}: {protocol}")
         eval_set = make_eval_set(adapter, vocab, protocol, **_settings(defaults, seed, main_clusters))
         metrics = evaluate(adapter, eval_set, out / protocol, batch_size=256, seed=seed, progress=False,
-                           n_boot=500 if quick else 2000)
+                           n_boot=500 if quick else 2000, figures=False)
         result[protocol] = {k: metrics[k] for k in METRIC_KEYS if k in metrics}
         result[protocol]["target_position_matching"] = metrics["target_position_matching"]
         lap(protocol)
@@ -186,14 +191,14 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     probe_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, 2 if quick else PROBE_CLUSTERS))
     bar.set_description(f"{name}: knockout")
     calib = calibration_set(probe_set, n_prompts=64 if quick else 256, seed=seed + 1)
-    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=256, progress=False)
+    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=256, progress=False, figures=False)
     result["knockout"] = _numbers_only(ko)
     lap("knockout")
     bar.update()
     if facts["compressor"] != "none":
         bar.set_description(f"{name}: gates")
         prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
-        gates = gate_report(adapter, prompts, out / "gates", progress=False)
+        gates = gate_report(adapter, prompts, out / "gates", progress=False, figures=False)
         result["gates"] = gates["gates"]
         lap("gates")
         if (path / "gates").is_dir() and any((path / "gates").glob("step_*.safetensors")):
@@ -204,7 +209,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
             cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=256,
-                              progress=False)
+                              progress=False, figures=False)
             result["cycling"] = _numbers_only(cyc)
             lap("cycling")
     bar.update()
@@ -245,30 +250,41 @@ def retrain(out: Path, names: list[str], configs: Path, bundle_to: Path | None, 
 
 
 def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int, progress: bool, jobs: int
-                ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every model's analyses and the theory model, in parallel single-thread processes when jobs > 1."""
+                ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, str]]]:
+    """Every model's analyses and the theory model, in parallel single-thread processes when jobs > 1; (models,
+    theory, the per-model report figures drawn so far: with jobs > 1 a worker draws a model's figures into
+    out/figures as soon as it is analysed, beside the other analyses)."""
     bar = tqdm(total=3 * len(models_dirs) + 1, desc="reproduce", unit="stage", disable=not progress,
                dynamic_ncols=True)
     models: dict[str, Any] = {}
     tasks = {name: (name, path, out / "models" / name, quick, seed) for name, path in models_dirs.items()}
-    theory = None
+    theory, drawn = None, {}
     if jobs > 1 and len(tasks) > 1:
         # one model per worker process with one thread each (small models use 2 cores better this
         # way); the theory model runs beside them
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx) as pool:
             # the theory first: submitted last, it ran alone at the end while the other worker idled
-            futures = {pool.submit(_theory_in_worker, out / "theory", seed, quick): "theory"}
-            futures.update({pool.submit(_analyse_in_worker, args): name for name, args in tasks.items()})
-            for future in concurrent.futures.as_completed(futures):
-                name = futures[future]
-                if name == "theory":
-                    theory = future.result()
-                    bar.update(1)
-                else:
-                    models[name] = future.result()
-                    bar.update(3)
-                bar.set_description(f"{name}: done")
+            futures = {pool.submit(_theory_in_worker, out / "theory", seed, quick): ("theory", "theory")}
+            futures.update({pool.submit(_analyse_in_worker, args): ("model", name) for name, args in tasks.items()})
+            pending = set(futures)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    kind, name = futures[future]
+                    if kind == "figures":
+                        drawn[name] = future.result()
+                        continue
+                    if kind == "theory":
+                        theory = future.result()
+                        bar.update(1)
+                    else:
+                        models[name] = future.result()
+                        bar.update(3)
+                        figures = pool.submit(_figures_in_worker, name, models[name], out / "figures")
+                        futures[figures] = ("figures", name)
+                        pending.add(figures)
+                    bar.set_description(f"{name}: done")
         models = {name: models[name] for name in tasks}
     else:
         for name, args in tasks.items():
@@ -277,7 +293,7 @@ def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int,
         theory = run_theory(out / "theory", seed=seed, quick=quick, progress=progress)
         bar.update()
     bar.close()
-    return models, theory
+    return models, theory, drawn
 
 
 def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: list[str] | None = None,
@@ -295,7 +311,7 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
                                                Path(bundle_to) if bundle_to else None, progress)
         else:
             models_dirs = discover(Path(checkpoints), names)
-        models, theory = analyse_all(models_dirs, tmp, quick, seed, progress, jobs)
+        models, theory, drawn = analyse_all(models_dirs, tmp, quick, seed, progress, jobs)
         summary = {
             "models": models,
             "theory": theory,
@@ -307,5 +323,5 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         }
         check_finite(summary)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        write_report(summary, tmp)
+        write_report(summary, tmp, drawn)
     return summary
