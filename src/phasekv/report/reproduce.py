@@ -34,7 +34,7 @@ from phasekv.checkpoint import resolve
 from phasekv.compression import compressors_of
 from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
-from phasekv.evaluate.sources import make_eval_set, open_checkpoint
+from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
 from phasekv.outputs import output_dir
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
@@ -181,7 +181,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     for protocol in PROTOCOLS:
         bar.set_description(f"{name}: {protocol}")
         eval_set = make_eval_set(adapter, vocab, protocol, **_settings(defaults, seed, main_clusters))
-        metrics = evaluate(adapter, eval_set, out / protocol, batch_size=256, seed=seed, progress=False,
+        metrics = evaluate(adapter, eval_set, out / protocol, batch_size=CHECKPOINT_BATCH, seed=seed, progress=False,
                            n_boot=500 if quick else 2000, figures=False)
         result[protocol] = {k: metrics[k] for k in METRIC_KEYS if k in metrics}
         result[protocol]["target_position_matching"] = metrics["target_position_matching"]
@@ -191,7 +191,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     probe_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, 2 if quick else PROBE_CLUSTERS))
     bar.set_description(f"{name}: knockout")
     calib = calibration_set(probe_set, n_prompts=64 if quick else 256, seed=seed + 1)
-    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=256, progress=False, figures=False)
+    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=CHECKPOINT_BATCH, progress=False, figures=False)
     result["knockout"] = _numbers_only(ko)
     lap("knockout")
     bar.update()
@@ -208,7 +208,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
         if can_cycle(adapter.module):
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
-            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=256,
+            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=CHECKPOINT_BATCH,
                               progress=False, figures=False)
             result["cycling"] = _numbers_only(cyc)
             lap("cycling")
