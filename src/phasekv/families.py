@@ -117,3 +117,29 @@ def repeat_cache(cache: Any, batch: int, repeats: int) -> None:
 
 def family_name(model: nn.Module) -> str:
     return "phasekv" if isinstance(unwrap(model), PhaseKVForCausalLM) else "transformers"
+
+
+def compression_geometry(model: nn.Module) -> dict[str, Any] | None:
+    """Chunked compression inside a transformers model, read from its config (its classes are not phasekv
+    compressors): {"compressor", "window", "stride"} of the first compressed layer, or None.
+
+      DeepSeek-V4 CSA   windows of 2m tokens starting every m (overlapping), m = compress_rates[CSA]
+      DeepSeek-V4 HCA   windows of m' tokens every m' (non-overlapping), m' = compress_rates[HCA]
+      GLM-5.3 k-pool    the indexer scores pools of index_kpool tokens (selection, not compression, is pooled)
+    DeepSeek-V3.2's token-level indexer and dense models have none."""
+    model = unwrap(model)
+    if isinstance(model, PhaseKVForCausalLM):
+        return None
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rates = getattr(cfg, "compress_rates", None) or {}
+    for layer_type in getattr(cfg, "layer_types", None) or []:
+        if layer_type == "compressed_sparse_attention" and layer_type in rates:
+            m = int(rates[layer_type])
+            return {"compressor": "deepseek_v4_csa", "window": 2 * m, "stride": m}
+        if layer_type == "heavily_compressed_attention" and layer_type in rates:
+            m = int(rates[layer_type])
+            return {"compressor": "deepseek_v4_hca", "window": m, "stride": m}
+        if layer_type == "indexed_attention" and (getattr(cfg, "index_kpool", None) or 1) > 1:
+            k = int(cfg.index_kpool)
+            return {"compressor": "glm5_kpool_indexer", "window": k, "stride": k}
+    return None

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from phasekv.cache import KVCache
-from phasekv.families import repeat_cache
+from phasekv.families import compression_geometry, repeat_cache
 from phasekv.model import PhaseKVForCausalLM
 
 
@@ -155,4 +155,5 @@ def adapter_for(model: nn.Module, name: str) -> Adapter:
     """The adapter of a model of either family (`phasekv.families`)."""
     if isinstance(model, PhaseKVForCausalLM):
         return PhaseKVAdapter(model, name)
-    return HFAdapter(model, name)
+    geometry = compression_geometry(model)  # transformers' own chunked compression: its stride is the phase stride
+    return HFAdapter(model, name, stride=geometry["stride"] if geometry else None)

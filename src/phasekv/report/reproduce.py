@@ -35,6 +35,7 @@ from phasekv.compression import compressors_of
 from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
+from phasekv.families import compression_geometry, family_name
 from phasekv.outputs import output_dir
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 
 PROBE_CLUSTERS = 8
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger",
-           "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv"]
+           "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
+           "dsv4-hca", "qwen3-full"]  # the last two: transformers' own DeepSeek-V4 (HCA layers) and Qwen3
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
@@ -110,9 +112,12 @@ def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     info = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rows = read_metrics(path)
     vals = [r for r in rows if "val_loss" in r]
+    geometry = compression_geometry(model) or {}  # a transformers model's own compression, read from its config
     return {
-        "compressor": first.name if first else "none", "window": first.window if first else None,
-        "stride": first.stride if first else None,
+        "family": family_name(model), "architecture": type(model).__name__,
+        "compressor": first.name if first else geometry.get("compressor", "none"),
+        "window": first.window if first else geometry.get("window"),
+        "stride": first.stride if first else geometry.get("stride"),
         "uniform": bool(compressors) and not any(c.gate_parameters() for c in compressors),
         "shared_payload": bool(compressors) and not any(c.offset_payload_maps() for c in compressors),
         "staggered": any(c.offset for c in compressors),
@@ -177,11 +182,14 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
         result["seconds"][stage] = round(now - clock, 2)
         clock = now
 
+    # contexts per forward where queries share one cache; query rows per forward where the adapter copies the
+    # cache per query (transformers models)
+    batch = CHECKPOINT_BATCH if adapter.shares_cache else 256
     main_clusters = 6 if quick else None  # None: the exactly matched default; 6 suits both protocols
     for protocol in PROTOCOLS:
         bar.set_description(f"{name}: {protocol}")
         eval_set = make_eval_set(adapter, vocab, protocol, **_settings(defaults, seed, main_clusters))
-        metrics = evaluate(adapter, eval_set, out / protocol, batch_size=CHECKPOINT_BATCH, seed=seed, progress=False,
+        metrics = evaluate(adapter, eval_set, out / protocol, batch_size=batch, seed=seed, progress=False,
                            n_boot=500 if quick else 2000, figures=False)
         result[protocol] = {k: metrics[k] for k in METRIC_KEYS if k in metrics}
         result[protocol]["target_position_matching"] = metrics["target_position_matching"]
@@ -191,11 +199,11 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     probe_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, 2 if quick else PROBE_CLUSTERS))
     bar.set_description(f"{name}: knockout")
     calib = calibration_set(probe_set, n_prompts=64 if quick else 256, seed=seed + 1)
-    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=CHECKPOINT_BATCH, progress=False, figures=False)
+    ko = run_knockout(adapter, probe_set, calib, out / "knockout", batch_size=batch, progress=False, figures=False)
     result["knockout"] = _numbers_only(ko)
     lap("knockout")
     bar.update()
-    if facts["compressor"] != "none":
+    if compressors_of(adapter.module):  # phasekv's compressors (transformers' have no gate interface yet)
         bar.set_description(f"{name}: gates")
         prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
         gates = gate_report(adapter, prompts, out / "gates", progress=False, figures=False)
@@ -208,7 +216,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
         if can_cycle(adapter.module):
             bar.set_description(f"{name}: cycling")
             deltas = (-1, 0, 1) if quick else range(-3, 4)
-            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=CHECKPOINT_BATCH,
+            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
                               progress=False, figures=False)
             result["cycling"] = _numbers_only(cyc)
             lap("cycling")
