@@ -135,3 +135,32 @@ def test_ddp_two_processes_match_one(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     for x, y in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
         assert x == pytest.approx(y, rel=1e-4)
+
+
+def test_window_jitter_shifts_the_grid_per_step_and_restores_it(tmp_path, monkeypatch):
+    from phasekv.compression import compressors_of
+    from phasekv.model import build_model
+
+    model = build_model(experiment().model).eval()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        clean = model(ids)
+        with train_mod.shifted_windows(model, 4):  # a whole stride: the same grid
+            assert torch.equal(model(ids), clean)
+        with train_mod.shifted_windows(model, 1):
+            assert [c.offset for _, c in compressors_of(model)] == [1]
+            assert not torch.allclose(model(ids), clean)
+    assert [c.offset for _, c in compressors_of(model)] == [0]
+    seen = []
+    real = train_mod.shifted_windows
+
+    def spy(m, shift):
+        seen.append(shift % 4)
+        return real(m, shift)
+
+    monkeypatch.setattr(train_mod, "shifted_windows", spy)
+    train(experiment(window_jitter=True), tmp_path / "r", progress=False)
+    assert len(seen) == 6 and len(set(seen)) > 1  # a shift drawn per step, not always the same
+    seen.clear()
+    train(experiment(), tmp_path / "plain", progress=False)
+    assert seen == [0] * 6

@@ -464,6 +464,7 @@ class TrainConfig:
     gate_lr_mult: float = spec(1.0, low=0.0)  # learning-rate multiplier of the compressor gates
     indexer_loss_weight: float = spec(1.0, low=0.0)  # weight of the indexer's KL objective (models with one)
     indexer_dense_steps: int = spec(0, low=0)  # first steps with every indexer candidate selected (dense warm-up)
+    window_jitter: bool = False  # each step shifts every compressor's window grid by a random 0..S-1 (a phase fix)
     seed: int = spec(42, low=0)
     log_every: int = spec(10, low=1)
     eval_every: int = spec(100, low=1)
