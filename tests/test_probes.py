@@ -4,6 +4,7 @@ gate cycling restores the model exactly; everything on tiny models built from co
 import argparse
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -410,3 +411,19 @@ def test_cli_runs_the_probes_on_a_checkpoint(vocab, tmp_path):
     args = parser.parse_args(["knockout", *common, "--out", str(tmp_path / "x"), "--calib-prompts", "0"])
     with pytest.raises(ValueError, match="--calib-prompts"):
         args.func(args)
+
+
+def test_grid_shifts_average_the_shifted_curves_and_restore_the_grid(vocab, eval_set, tmp_path):
+    from phasekv.compression import compressors_of
+    from phasekv.probes.grid import run_grid_shifts
+
+    adapter = phasekv_adapter(vocab)
+    clean = accuracies(predict(adapter, eval_set, 16, True, False), eval_set.stride, eval_set.residue_modulus)
+    result = run_grid_shifts(adapter, eval_set, tmp_path, batch_size=16, progress=False)
+    assert [c.offset for _, c in compressors_of(adapter.module)] == [0] * len(compressors_of(adapter.module))
+    assert [r["shift"] for r in result["per_shift"]] == list(range(eval_set.stride))
+    assert result["per_shift"][0]["per_phase"] == clean["per_phase"] == result["fixed"]["per_phase"]
+    curves = np.array([r["per_phase"] for r in result["per_shift"]])
+    assert np.allclose(result["randomized"]["per_phase"], curves.mean(0))
+    assert any(r["per_phase"] != clean["per_phase"] for r in result["per_shift"][1:])  # the shifts act
+    assert (tmp_path / "grid_shifts.json").is_file()

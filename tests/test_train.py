@@ -138,16 +138,16 @@ def test_ddp_two_processes_match_one(tmp_path):
 
 
 def test_window_jitter_shifts_the_grid_per_step_and_restores_it(tmp_path, monkeypatch):
-    from phasekv.compression import compressors_of
+    from phasekv.compression import compressors_of, shifted_windows
     from phasekv.model import build_model
 
     model = build_model(experiment().model).eval()
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         clean = model(ids)
-        with train_mod.shifted_windows(model, 4):  # a whole stride: the same grid
+        with shifted_windows(model, 4):  # a whole stride: the same grid
             assert torch.equal(model(ids), clean)
-        with train_mod.shifted_windows(model, 1):
+        with shifted_windows(model, 1):
             assert [c.offset for _, c in compressors_of(model)] == [1]
             assert not torch.allclose(model(ids), clean)
     assert [c.offset for _, c in compressors_of(model)] == [0]

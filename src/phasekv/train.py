@@ -39,7 +39,7 @@ from phasekv.checkpoint import (
     save_checkpoint,
     write_json_atomic,
 )
-from phasekv.compression import compressor_parameters, compressors_of
+from phasekv.compression import compressor_parameters, compressors_of, shifted_windows
 from phasekv.config import Experiment, TrainConfig, parse_json
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
@@ -299,21 +299,6 @@ def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     return [g for g in ([p for p in model.parameters() if id(p) not in ids], own) if g]
 
 
-@contextlib.contextmanager
-def shifted_windows(model: torch.nn.Module, shift: int):
-    """While active, every compressor's first window starts `shift` tokens later (mod its stride S), on top of its
-    own offset (a staggered layer keeps its stagger): `train.window_jitter` draws a shift per step so records land
-    at every offset of a window during training.  The offsets are restored on exit, whatever happens."""
-    saved = [(c, c.offset) for _, c in compressors_of(families.unwrap(model))]
-    try:
-        for c, offset in saved:
-            c.offset = (offset + shift) % c.stride
-        yield
-    finally:
-        for c, offset in saved:
-            c.offset = offset
-
-
 def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float, dense: bool = False
                 ) -> tuple[float, int, float | None]:
     """One optimizer step over the micro-batches `parts`; (global mean LM loss, tokens seen by all ranks, mean
@@ -361,7 +346,7 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
         # the same shift on every rank: drawn from the step number
         shift = int(torch.randint(0, 1 << 30, (1,), generator=torch.Generator().manual_seed(cfg.seed + step)))
-        with shifted_windows(model, shift if cfg.window_jitter else 0):
+        with shifted_windows(families.unwrap(model), shift if cfg.window_jitter else 0):
             loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step),
                                                          dense=step < cfg.indexer_dense_steps)
         tokens_since += tokens

@@ -16,8 +16,9 @@ from phasekv.compression.base import (
     get,
     num_windows,
     register,
+    shifted_windows,
     windows,
 )
 
 __all__ = ["Compressor", "Selection", "available", "build", "compressor_parameters", "compressors_of", "get",
-           "num_windows", "register", "windows"]
+           "num_windows", "register", "shifted_windows", "windows"]

@@ -20,6 +20,8 @@ accessors, decorated with `@register("name", Options)`; plus one import in `__in
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -164,3 +166,19 @@ def compressors_of(model: nn.Module) -> list[tuple[str, Compressor]]:
 def compressor_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every compressor parameter of `model` by its full name (gate snapshots and trajectories)."""
     return {f"{name}.{p_name}": p for name, c in compressors_of(model) for p_name, p in c.named_parameters()}
+
+
+@contextlib.contextmanager
+def shifted_windows(model: torch.nn.Module, shift: int):
+    """While active, every compressor's first window starts `shift` tokens later (mod its stride S), on top of its
+    own offset (a staggered layer keeps its stagger): `train.window_jitter` draws a shift per step so records land
+    at every offset of a window during training, and `probes.grid` measures a randomized grid at inference.
+    The offsets are restored on exit, whatever happens."""
+    saved = [(c, c.offset) for _, c in compressors_of(model)]
+    try:
+        for c, offset in saved:
+            c.offset = (offset + shift) % c.stride
+        yield
+    finally:
+        for c, offset in saved:
+            c.offset = offset
