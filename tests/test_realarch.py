@@ -205,3 +205,43 @@ def test_knockout_hooks_act_on_the_real_output_projection_at_the_final_position_
         torch.testing.assert_close(knocked[:, :-1], clean[:, :-1], rtol=0, atol=0)
         torch.testing.assert_close(knocked[0], clean[0], rtol=1e-5, atol=1e-5)
         assert (knocked[1, -1] - clean[1, -1]).abs().max() > 1e-4
+
+
+def test_v4_hca_gate_statistics_recompute_the_real_compressor():
+    from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics, v4_gate_weights
+
+    section = small_section("deepseek-v4-csa")
+    for key in ("index_n_heads", "index_head_dim", "index_topk"):
+        section.pop(key)
+    section.update(layer_types=["heavily_compressed_attention"] * 2,
+                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4})
+    torch.manual_seed(0)
+    model = families.build(TransformersModelConfig(section.pop("model_type"), section)).eval()
+    assert families.compression_geometry(model) == {"compressor": "deepseek_v4_hca", "window": 4, "stride": 4}
+    found = v4_compressors(model)
+    assert [i for i, _ in found] == [0, 1]
+    with torch.no_grad():  # visibly non-uniform gates
+        for _, c in found:
+            c.position_bias.normal_(0, 2.0)
+    seen = []
+    hooks = [c.register_forward_hook(lambda m, a, k, out, c=c: seen.append((c, a[0] if a else k["hidden_states"],
+                                                                            out[0])), with_kwargs=True)
+             for _, c in found]
+    ids = ids_for(7, batch=2, length=40)
+    with torch.no_grad():
+        families.logits(model, ids)
+    for h in hooks:
+        h.remove()
+    rope = int(model.config.head_dim * model.config.partial_rotary_factor)
+    for c, hidden, entries in seen:  # entries (B, 1, N, D): our alpha rebuilds the module's own entries
+        alpha = v4_gate_weights(c, hidden)
+        torch.testing.assert_close(alpha.sum(2), torch.ones_like(alpha.sum(2)))
+        n, m = alpha.shape[1], c.compress_rate
+        payload = c.kv_proj(hidden[:, :n * m]).view(hidden.shape[0], n, m, -1)
+        rebuilt = c.kv_norm((payload * alpha.to(payload.dtype)).sum(2))
+        torch.testing.assert_close(rebuilt[..., :-rope], entries[:, 0, :, :-rope], rtol=1e-5, atol=1e-5)
+    gates = v4_gate_statistics(model, ids, batch_size=1)
+    assert [g["layer"] for g in gates] == [0, 1]
+    for g in gates:
+        assert len(g["profile"]) == 4 and 1.0 <= g["per_window"] <= g["static"] <= 4.0 + 1e-9
+        assert g["n_windows"] == 2 * (40 // 4) and abs(sum(g["profile"]) - 1) < 1e-6

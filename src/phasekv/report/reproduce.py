@@ -40,6 +40,7 @@ from phasekv.outputs import output_dir
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
+from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics
 from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
 from phasekv.theory import run_theory
@@ -203,9 +204,12 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     result["knockout"] = _numbers_only(ko)
     lap("knockout")
     bar.update()
-    if compressors_of(adapter.module):  # phasekv's compressors (transformers' have no gate interface yet)
+    prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
+    if v4_compressors(adapter.module):  # transformers' DeepSeek-V4 HCA: its gates read from the real module
+        result["gates"] = v4_gate_statistics(adapter.module, prompts)
+        lap("gates")
+    if compressors_of(adapter.module):  # phasekv's compressors
         bar.set_description(f"{name}: gates")
-        prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
         gates = gate_report(adapter, prompts, out / "gates", progress=False, figures=False)
         result["gates"] = gates["gates"]
         lap("gates")
