@@ -21,7 +21,6 @@ accessors, decorated with `@register("name", Options)`; plus one import in `__in
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import torch
