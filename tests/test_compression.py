@@ -100,3 +100,27 @@ def test_stagger_shifts_each_compressed_layer_windows():
     assert cache.layers[1].entries_end.tolist() == [5, 9, 13]
     with pytest.raises(ValueError, match="stagger"):
         tiny(compressor="gated", stagger=True, uncompressed_tail=True)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, o in COMPRESSOR_MATRIX.items() if o.get("compressor") == "gated"))
+def test_gated_compression_in_chunks_of_windows_equals_one_pass(name, monkeypatch):
+    import phasekv.compression.gated as gated
+
+    torch.manual_seed(0)
+    config = tiny(**COMPRESSOR_MATRIX[name])
+    comp = build(config, config.compressor)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.normal_(0, 0.5)
+        h = torch.randn(2, 7 * comp.stride + comp.window, config.hidden_size)  # 8 windows
+        whole = comp.compress(h)
+        monkeypatch.setattr(gated, "COMPRESS_CHUNK", 3)  # 3 + 3 + 2 windows
+        chunked = comp.compress(h)
+        ref_k, ref_v = comp.compress_reference(h)
+    assert chunked[0].shape[1] == 8
+    torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=0)
+    torch.testing.assert_close(chunked[0], ref_k, rtol=1e-5, atol=1e-5)
+    assert (chunked[1] is None) == (whole[1] is None) == comp.tied
+    if not comp.tied:
+        torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=0)
+        torch.testing.assert_close(chunked[1], ref_v, rtol=1e-5, atol=1e-5)

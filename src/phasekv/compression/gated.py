@@ -24,6 +24,9 @@ from phasekv.config import CompressorOptions, ModelConfig, spec
 from phasekv.layers import RMSNorm
 
 BRANCHES = ("k", "v")
+# windows compressed per pass: bounds the (B, N, W, width) payload/gate intermediates of a long prefill (each
+# window is independent, so the entries are identical to one pass over all windows)
+COMPRESS_CHUNK = 256
 
 
 class OffsetGatedCompressor(Compressor):
@@ -63,6 +66,15 @@ class OffsetGatedCompressor(Compressor):
 
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         hw = windows(h, self.window, self.stride)  # (B, N, W, hidden): a strided view, no copy
+        if hw.shape[1] <= COMPRESS_CHUNK:
+            return self._compress_windows(hw, h.dtype)
+        parts = [self._compress_windows(hw[:, a:a + COMPRESS_CHUNK], h.dtype)
+                 for a in range(0, hw.shape[1], COMPRESS_CHUNK)]
+        k = torch.cat([p[0] for p in parts], dim=1)
+        return k, None if parts[0][1] is None else torch.cat([p[1] for p in parts], dim=1)
+
+    def _compress_windows(self, hw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Entries of the windows hw (B, N, W, hidden): (B, N, KVH, D) keys and values (None when tied)."""
         B, N, W, _ = hw.shape
         KVH, D, G = self.num_kv_heads, self.head_dim, self.gate_dim
         maps = {branch: self.maps(branch) for branch in self.branches}
@@ -77,7 +89,7 @@ class OffsetGatedCompressor(Compressor):
                 entry = payload.mean(dim=2)
             else:
                 logits = next(parts) if b is None else next(parts) + b  # (B, N, W, KVH*G)
-                alpha = torch.softmax(logits.view(B, N, W, KVH, G).float(), dim=2).to(h.dtype)  # (B, N, W, KVH, G)
+                alpha = torch.softmax(logits.view(B, N, W, KVH, G).float(), dim=2).to(dtype)  # (B, N, W, KVH, G)
                 entry = (alpha * payload).sum(dim=2)  # (B, N, KVH, D)
             out[branch] = self._post_norm(branch, entry)
         return out["k"], out.get("v")
