@@ -408,6 +408,9 @@ def test_cli_runs_the_probes_on_a_checkpoint(vocab, tmp_path):
         result = args.func(args)
         assert result and any((tmp_path / command).glob("*.png"))
     assert [d["delta"] for d in result["deltas"]] == [-1, 0, 1]
+    args = parser.parse_args(["grid", *common, "--out", str(tmp_path / "grid")])
+    result = args.func(args)
+    assert len(result["per_shift"]) == 4 and (tmp_path / "grid" / "grid_shifts.json").is_file()
     args = parser.parse_args(["knockout", *common, "--out", str(tmp_path / "x"), "--calib-prompts", "0"])
     with pytest.raises(ValueError, match="--calib-prompts"):
         args.func(args)

@@ -4,6 +4,7 @@
     phasekv knockout --hf PATH --stride 4 --protocol prefix --out OUT --whole-layer
     phasekv gates --checkpoint RUN_DIR --out OUT [--prompts 64] [--top 4] [--trajectory]
     phasekv cycle --checkpoint DIR --protocol prefix --out OUT [--deltas -3 -2 -1 0 1 2 3]
+    phasekv grid --checkpoint DIR --protocol prefix --out OUT      (every window-grid shift r = 0..S-1)
 
 Prompt sets are those of `phasekv eval` (same flags and defaults; --clusters makes them smaller).
 Each command builds its --out directory aside and publishes it when complete.
@@ -39,6 +40,11 @@ def add_parser(sub) -> None:
     add_prompt_arguments(c)
     c.add_argument("--deltas", type=int, nargs="+", default=list(range(-3, 4)), help="offsets delta to cycle by")
     c.set_defaults(func=cycle)
+
+    r = sub.add_parser("grid", help="evaluate with the window grid shifted by each r = 0..S-1 (a randomized grid)")
+    r.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory")
+    add_prompt_arguments(r)
+    r.set_defaults(func=grid)
 
 
 def _positive(args, *names: str) -> None:
@@ -77,3 +83,12 @@ def cycle(args) -> dict[str, Any]:
     with output_dir(args.out, args.force) as tmp:
         return cycling_on(source, cfg, tmp, args.deltas, not args.no_progress)
 
+
+
+def grid(args) -> dict[str, Any]:
+    from phasekv.outputs import output_dir
+    from phasekv.probes.grid import grid_on
+
+    source, cfg = source_and_config(args)
+    with output_dir(args.out, args.force) as tmp:
+        return grid_on(source, cfg, tmp, not args.no_progress)

@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from phasekv.compression import compressors_of, shifted_windows
+from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import accuracies
 from phasekv.evaluate.runner import predict
+from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.probes.output import write_result
 
 
@@ -49,3 +51,9 @@ def run_grid_shifts(adapter: Adapter, eval_set: EvalSet, out_dir: str | Path | N
     if out_dir is not None:
         write_result(out_dir, "grid_shifts", result, None)
     return result
+
+
+def grid_on(source: Source, cfg: EvalConfig, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
+    """`phasekv grid`: the grid-shift evaluation of a checkpoint on the prompt set `cfg` describes."""
+    adapter, eval_set = open_source(source, cfg)
+    return run_grid_shifts(adapter, eval_set, out_dir, batch_size(source, cfg), progress)
