@@ -12,8 +12,12 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 import traceback
 
+# seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
+# printed, when rank 1 failed first)
+RANK_ERROR_GRACE_S = 10.0
 COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "probes", "reproduce", "audit", "export"]
 
 
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if is_main():
             print(f"phasekv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        else:  # torchrun stops every rank as soon as one exits: give rank 0 the time to print the error
+            time.sleep(RANK_ERROR_GRACE_S)
         return 2
     return 0
 
