@@ -508,8 +508,11 @@ def test_eval_honours_the_checkpoint_eval_section_and_flags_override(ws: Path):
 
 def _run(argv: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + str(REPO), "OMP_NUM_THREADS": "1"}
+    # SIGINT at its default in the child: a harness that runs the suite as a background job of a non-interactive
+    # shell ignores SIGINT, and an ignored signal stays ignored across exec (the Ctrl-C test then hung)
     return subprocess.Popen([sys.executable, "-m", "phasekv.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, **kwargs)
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **kwargs)
 
 
 def _communicate(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
