@@ -345,8 +345,9 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
     for step in bar:
         parts = [stream.batch(step * cfg.grad_accum + a, micro) for a in range(cfg.grad_accum)]
         # the same shift on every rank: drawn from the step number
-        shift = int(torch.randint(0, 1 << 30, (1,), generator=torch.Generator().manual_seed(cfg.seed + step)))
-        with shifted_windows(families.unwrap(model), shift if cfg.window_jitter else 0):
+        shift = int(torch.randint(0, 1 << 30, (1,), generator=torch.Generator().manual_seed(cfg.seed + step))
+                    ) if cfg.window_jitter else 0
+        with shifted_windows(families.unwrap(model), shift):
             loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step),
                                                          dense=step < cfg.indexer_dense_steps)
         tokens_since += tokens
