@@ -41,6 +41,37 @@ def test_partial_and_no_rope_change_logits_and_keep_shapes():
         assert a.shape == outs[0].shape and not torch.allclose(a, outs[0])
 
 
+@pytest.mark.parametrize("rope_dims, part", [(16, "first"), (8, "first"), (8, "last"), (0, "first")])
+@pytest.mark.parametrize("batched_positions", [False, True])
+def test_lean_rope_equals_rotate_half_form_with_gradients(rope_dims, part, batched_positions):
+    from phasekv.layers import Rotary
+
+    torch.manual_seed(0)
+    rotary = Rotary(16, rope_dims, part, 1000.0)
+    x = torch.randn(2, 3, 5, 16).transpose(1, 2).requires_grad_()  # (B, H, T, D) view, as the layer passes it
+    positions = torch.tensor([[0, 3, 9], [7, 8, 40]]) if batched_positions else torch.tensor([2, 5, 11])
+    out, ref = rotary(x, positions), rotary.forward_reference(x, positions)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    weight = torch.randn_like(ref)
+    grad, = torch.autograd.grad((out * weight).sum(), x)
+    grad_ref, = torch.autograd.grad((ref * weight).sum(), x)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-6, atol=1e-6)
+    if rope_dims:
+        assert not torch.allclose(out, x)
+
+
+def test_fused_rms_norm_equals_the_unfused_form():
+    from phasekv.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data = torch.randn(16)
+    x = torch.randn(4, 7, 16)
+    unfused = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), unfused, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm(x.double()).float(), unfused, rtol=1e-6, atol=1e-6)  # the unfused branch
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(compressor="gated", window=4, stride=8), "stride"),
     (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),

@@ -207,9 +207,10 @@ class Attention(nn.Module):
         return cache
 
     def _norm_rope(self, x: torch.Tensor, norm: str, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, T, heads, D) -> normalized, rotated (B, heads, T, D); the norm runs on the contiguous layout."""
         if hasattr(self, norm):
             x = getattr(self, norm)(x)
-        return self.rotary(x, positions)
+        return self.rotary(x.transpose(1, 2), positions)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
         """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
@@ -218,8 +219,8 @@ class Attention(nn.Module):
         if cache is not None and cache.repeats > 1:
             cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
         pos = torch.arange(start, start + T, device=x.device)
-        q = self._norm_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), "q_norm", pos)  # (B, H, T, D)
-        k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D).transpose(1, 2), "k_norm", pos)  # (B, KVH, T, D)
+        q = self._norm_rope(self.q_proj(x).view(B, T, H, D), "q_norm", pos)  # (B, H, T, D)
+        k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D), "k_norm", pos)  # (B, KVH, T, D)
         v = self.v_proj(x).view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
         if self.kind == "full":
             out = self._full(q, k, v, cache, start)
@@ -243,7 +244,7 @@ class Attention(nn.Module):
         ek, ev = c.compress(h)  # (B, N, KVH, D)
         n = ek.shape[1]
         starts = first + torch.arange(n) * c.stride  # on the CPU, like every entry position
-        ek = self._norm_rope(ek.transpose(1, 2), "k_norm", starts.to(h.device))  # (B, KVH, N, D)
+        ek = self._norm_rope(ek, "k_norm", starts.to(h.device))  # (B, KVH, N, D)
         ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
         return ek, ev, starts + c.window - 1
 

@@ -8,6 +8,7 @@ Layout: (B, H, T, D) for per-head tensors.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused pass, one output tensor (the unfused form below holds three x-sized temporaries)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -35,7 +39,35 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, H, T, D) rotated at `positions` (T,) or (B, T)."""
+        """x (B, H, T, D) rotated at `positions` (T,) or (B, T).
+
+        out = x * cos + rotate_half(x) * sin on the rotated dims, x elsewhere, written as ONE x-sized output
+        (cos is 1 and sin 0 outside the rotated dims) plus two in-place multiply-adds on its halves: the
+        query of a long prefill is the largest activation of a layer, and every temporary of its size
+        raises the layer's peak memory."""
+        if self.rope_dims == 0:
+            return x
+        cos, sin = self.tables(positions, x.shape[-1], x.dtype)  # (..., T, D)
+        lo, half = self.offset, self.rope_dims // 2
+        first, second = slice(lo, lo + half), slice(lo + half, lo + 2 * half)
+        out = x * cos
+        out[..., first].addcmul_(x[..., second], sin[..., first], value=-1)
+        out[..., second].addcmul_(x[..., first], sin[..., second])
+        return out
+
+    def tables(self, positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin over all `head_dim` dims at `positions` (T,) -> (T, D), (B, T) -> (B, 1, T, D); cos = 1 and
+        sin = 0 on the dims that are not rotated."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, rope/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, rope)
+        pad = (self.offset, head_dim - self.offset - self.rope_dims)
+        cos, sin = F.pad(emb.cos(), pad, value=1.0).to(dtype), F.pad(emb.sin(), pad).to(dtype)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
+
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The textbook form (Hugging Face's rotate_half), the oracle `forward` is tested against."""
         if self.rope_dims == 0:
             return x
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, rope/2)
