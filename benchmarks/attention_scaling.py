@@ -4,7 +4,7 @@ full-attention layer of the same width, the attention core alone, and whole-mode
 Each measurement runs in a fresh subprocess so peak RSS is its own.  Prints a table and, last,
 `core_ratio@16384=A time_ratio@16384=B time_ratio@65536=C memory_ratio@16384=D cache_ratio@16384=E`
 (compressed / full).  The core ratio times `windowed_attention` against causal SDPA on the same q, k, v
-(B=1, H=8, KVH=2, D=64); the long length is timed once, without memory or cache measurements, at a
+(B=1, H=8, KVH=2, D=64); the long length is timed (best of 2), without memory or cache measurements, at a
 quarter of the width (2 query heads, 1 KV head, hidden 128) so that the whole run takes about two minutes.
 
     .venv/bin/python benchmarks/attention_scaling.py [--lengths 1024 4096 16384] [--long 65536] [--repeats 3]
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -89,16 +90,24 @@ def measure_core(T: int, repeats: int) -> dict:
     return {"full_s": full, "compressed_s": core}
 
 
-def _child(threads: int, *args: str) -> dict:
+# glibc serves every allocation of 128 KiB or more by mmap and returns it on free, so peak RSS is the peak of
+# live tensors: with its default dynamic threshold, freed blocks up to 32 MiB stay in the heap and the peak
+# depends on the allocation history (measured: the same layer's peak varied by 20-40% between runs)
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def _child(threads: int, *args: str, memory: bool = False) -> dict:
+    """One measurement in a fresh process; `memory`: with CHILD_ENV (peak RSS = peak of live tensors; timed
+    without it, since mmap-per-allocation page faults slow the many small allocations of a block loop)."""
     out = subprocess.run([sys.executable, __file__, "--threads", str(threads), "--child", *args], check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, env={**os.environ, **(CHILD_ENV if memory else {})}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--long", type=int, default=65536, help="timed once per kind, whole layer (0: skip)")
+    parser.add_argument("--long", type=int, default=65536, help="timed (best of 2) per kind, whole layer (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -115,8 +124,10 @@ def main() -> None:
     T = args.lengths[-1]
     rows = {(kind, n): _child(args.threads, kind, str(n), str(args.repeats), "cache" if n == T else "plain")
             for n in args.lengths for kind in ("full", "compressed")}
+    for (kind, n), row in rows.items():
+        row["peak_bytes"] = _child(args.threads, kind, str(n), "1", "plain", memory=True)["peak_bytes"]
     if args.long:
-        rows.update({(kind, args.long): _child(args.threads, kind, str(args.long), "1", "long")
+        rows.update({(kind, args.long): _child(args.threads, kind, str(args.long), "2", "long")
                      for kind in ("full", "compressed")})
     core = _child(args.threads, "core", str(T), str(args.repeats), "plain")
     print(f"{'T':>6} {'kind':>10} {'time ms':>9} {'peak MiB':>9} {'cache B/tok':>11}")

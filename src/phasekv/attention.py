@@ -10,16 +10,21 @@ Full layers use PyTorch SDPA.
 Layout: per-head tensors are (B, KVH, G, T, D) with query head h = kvh * G + g (as HF's
 `repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).
 
-The fast path tiles queries in blocks, one fused SDPA call per block over the block's raw tokens and
-the entries it may see, so time and memory grow like T * (block + local_window + T / S);
-`windowed_attention_reference` is the per-query loop it is tested against.  Both the training
-forward and cached inference run the same code: the training forward is cached inference that
-starts from an empty cache.
+Two fast paths, both tested against `windowed_attention_reference` (the per-query loop):
+  - with autograd (training) or an indexer's selection: queries in blocks, one fused SDPA call per block
+    over the block's raw tokens and the entries it may see (`windowed_attention`);
+  - without autograd, entries on one grid (inference, evaluation, prefill): `attention_by_parts`, flash-
+    attention parts merged by their log-sum-exps, the entry part as ONE causal attention per window-stride
+    residue, so its cost is the full-attention kernel's per score times the work ratio.  A long prefill
+    runs through the layer's cache in chunks of PREFILL_CHUNK positions (`Attention._chunked_prefill`):
+    its peak memory is chunk-sized.
+The training forward is cached inference that starts from an empty cache.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +101,8 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     mask columns that change are rewritten (entries visible to every query of the block stay at 0).
     The sink is a key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
+    if not _records_grad(q, k_all, v_all, vis.entries_k, vis.entries_v, sink) and regular_entries(vis):
+        return attention_by_parts(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block)
     B, KVH, G, Tq, D = q.shape
     H = KVH * G
     qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
@@ -138,6 +145,139 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
         kb, vb, mb = (t.clone() if grad else t for t in (keys[:, :, :M], vals[:, :, :M], m[..., :M]))
         out[:, :, a:b] = F.scaled_dot_product_attention(qh[:, :, a:b], kb, vb, attn_mask=mb, enable_gqa=True)
     return out.view(B, KVH, G, Tq, D)
+
+
+# torch's CPU flash-attention kernel that also returns each row's log-sum-exp (the public SDPA does not)
+_FLASH_LSE = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+PROJECT_CHUNK = 2048  # positions per chunk of a layer's q/k projection without autograd (`Attention._heads`)
+PREFILL_CHUNK = 4096  # positions per chunk of a sliding/compressed layer's forward without autograd
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its log-sum-exp per query: q (B, KVH, G, Tq, D) against k, v (B, KVH, M, D)
+    -> (B, KVH, G, Tq, D), (B, KVH, G, Tq).  The KV heads go into the kernel's batch dimension and are
+    broadcast over the G query heads of their group (no copy); `causal`: query i reads keys 0..i."""
+    B, KVH, G, Tq, D = q.shape
+    M = k.shape[2]
+    kk, vv = (t.reshape(B * KVH, 1, M, D).expand(B * KVH, G, M, D) for t in (k, v))
+    out, lse = _FLASH_LSE(q.reshape(B * KVH, G, Tq, D), kk, vv, 0.0, causal, attn_mask=mask)
+    return out.view(B, KVH, G, Tq, D), lse.view(B, KVH, G, Tq)
+
+
+def regular_entries(vis: Visible) -> bool:
+    """Every query may read every entry whose window is complete (no selection) and the entries lie on one
+    grid: end of entry j = end of entry 0 + j * stride."""
+    ends = vis.entries_end
+    if vis.selection is not None or ends is None or ends.shape[0] < 2:
+        return vis.selection is None
+    step = ends[1] - ends[0]
+    return bool(step > 0) and torch.equal(ends, ends[0] + step * torch.arange(ends.shape[0]))
+
+
+def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k_pos: torch.Tensor,
+          local: int, tail: tuple[int, int] | None, block: int, out: torch.Tensor) -> torch.Tensor:
+    """The raw local window part of `attention_by_parts`: queries q (B, KVH, G, Tq, D) at q_pos, whose raw
+    keys are k_all[:, :, i .. i+local-1] for query i; per block of queries one masked flash call (the mask
+    of a full block whose slots are all filled is built once).  Writes the output into out (B, KVH, G, Tq, D)
+    and returns the log-sum-exp (B, KVH, G, Tq)."""
+    lses, regular = [], None
+    zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
+    for a in range(0, q.shape[3], block):
+        b = min(a + block, q.shape[3])
+        steady = tail is None and b - a == block and a >= local - 1
+        if steady and regular is not None:
+            ok, mask = regular
+        else:
+            ok = _raw_mask(k_pos[a:b + local - 1], q_pos[a:b], local, tail)  # (nb, nb+L-1)
+            mask = torch.where(ok, zero, minus_inf)[None, None]
+            regular = (ok, mask) if steady else None
+        o, lse = _flash(q[:, :, :, a:b], k_all[:, :, a:b + local - 1], v_all[:, :, a:b + local - 1], mask=mask)
+        if tail is not None:  # a query whose token was just compressed reads no raw key
+            empty = ~ok.any(-1)
+            o, lse = o.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, float("-inf"))
+        out[:, :, :, a:b] = o
+        lses.append(lse)
+    return torch.cat(lses, dim=3)
+
+
+@dataclass
+class Part:
+    """One flash-attention part of `attention_by_parts` for the chunk's queries lo..hi-1: output o
+    (B, KVH, G, hi-lo, D), or (B, KVH, G, rows, stride, D) for whole rows, and log-sum-exp lse (B, KVH, G, hi-lo)."""
+
+    lo: int
+    hi: int
+    o: torch.Tensor
+    lse: torch.Tensor
+
+
+def _entries_by_rows(q: torch.Tensor, lo: int, t0: int, e0: int, stride: int, ek: torch.Tensor,
+                     ev: torch.Tensor) -> Iterator[Part]:
+    """Attention of a chunk's queries q (B, KVH, G, n, D) at positions t0 - lo .. over the entries they may
+    read (queries before lo read none; t0 >= e0), entry j ending at e0 + j * stride: the query at t reads
+    entries 0..m with m = (t - e0) // stride, its ROW.  With m1 the first whole row of the chunk:
+      - entries 0..m1-1 are read by every query from lo on: one unmasked call;
+      - whole rows m1 .. m1+rows-1 read entries m1 .. their row: laid out (stride residues x rows) as a
+        strided view, the query of row m1 + r reads entries m1 .. m1 + r, a square causal attention per
+        residue (one call, residues in the kernel's head dimension, no copy of the queries);
+      - the last, partial row reads entries m1 .. m1+rows: one unmasked call on a few queries."""
+    B, KVH, G, n, D = q.shape
+    m0, off = divmod(t0 - e0, stride)
+    first = min(lo + (stride - off) % stride, n)  # the chunk's first query that starts a row (n: none does)
+    m1, rows = m0 + (first > lo), (n - first) // stride
+    last = first + rows * stride
+    if m1:
+        yield Part(lo, n, *_flash(q[:, :, :, lo:], ek[:, :, :m1], ev[:, :, :m1]))
+    if rows:
+        by_residue = q[:, :, :, first:last].reshape(B, KVH, G, rows, stride, D).transpose(3, 4)
+        keys, vals = (t[:, :, m1:m1 + rows].reshape(B * KVH, 1, 1, rows, D).expand(B * KVH, G, 1, rows, D)
+                      .reshape(B * KVH * G, 1, rows, D).expand(B * KVH * G, stride, rows, D) for t in (ek, ev))
+        o, lse = _FLASH_LSE(by_residue.reshape(B * KVH * G, stride, rows, D), keys, vals, 0.0, True)
+        lse = lse.view(B, KVH, G, stride, rows).transpose(3, 4).reshape(B, KVH, G, rows * stride)
+        yield Part(first, last, o.view(B, KVH, G, stride, rows, D).transpose(3, 4), lse)
+    if last < n:
+        yield Part(last, n, *_flash(q[:, :, :, last:], ek[:, :, m1:m1 + rows + 1], ev[:, :, m1:m1 + rows + 1]))
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: Part) -> None:
+    """Online softmax: out (B, KVH, G, n, D) and its log-sum-exp lse (B, KVH, G, n) become, in place, the
+    attention over their keys and the part's together (each side weighted by exp(its lse - the joint one))."""
+    o, lo, hi = part.o, part.lo, part.hi
+    joint = torch.logaddexp(lse[..., lo:hi], part.lse)
+    target, keep, w = out[:, :, :, lo:hi], (lse[..., lo:hi] - joint).exp(), (part.lse - joint).exp()
+    if o.dim() == 6:  # whole rows (B, KVH, G, rows, stride, D)
+        target, keep, w = target.view(o.shape), keep.view(o.shape[:-1]), w.view(o.shape[:-1])
+    target.mul_(keep[..., None]).addcmul_(o, w[..., None])
+    lse[..., lo:hi] = joint
+
+
+def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                       k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
+                       tail: tuple[int, int] | None, block: int) -> torch.Tensor:
+    """`windowed_attention` without autograd for entries on a regular grid and no selection (`regular_entries`):
+    the softmax over (raw local window | entries | sink) computed as separate flash-attention parts merged by
+    their log-sum-exps (`_merge_into`, an online softmax): the raw window per block of queries (`_band`), the
+    entries every query reads in one unmasked call, the rest as a causal attention per window-stride residue
+    (`_entries_by_rows`), so entry attention runs in torch's causal kernel at the full-attention kernel's speed
+    per score; the sink rescales the result.  q_pos must be consecutive positions.  A long prefill comes in
+    chunks (`Attention.forward`), so the temporaries (one part's output at a time) stay chunk-sized."""
+    B, KVH, G, Tq, D = q.shape
+    out = torch.empty(B, Tq, KVH * G, D, dtype=q.dtype, device=q.device).transpose(1, 2).view(B, KVH, G, Tq, D)
+    n_total = 0 if vis.entries_k is None else vis.entries_k.shape[2]
+    e0 = int(vis.entries_end[0]) if n_total else 0
+    # one entry: every query of this call is in row 0 (reads entry 0 only)
+    stride = int(vis.entries_end[1] - vis.entries_end[0]) if n_total > 1 else int(q_pos[-1]) + 1
+    band_lse = _band(q, q_pos.to(k_pos.device), k_all, v_all, k_pos, local, tail, block, out)
+    t0 = max(int(q_pos[0]), e0)  # the first query that reads an entry
+    if n_total and t0 <= int(q_pos[-1]):
+        for part in _entries_by_rows(q, t0 - int(q_pos[0]), t0, e0, stride, vis.entries_k, vis.entries_v):
+            _merge_into(out, band_lse, part)
+            del part  # one part's output alive at a time
+    if sink is not None:  # a key of logit sink[h] and value zero: rescales the output only
+        joint = torch.logaddexp(band_lse, sink.to(q.dtype).view(1, KVH, G, 1))
+        out.mul_((band_lse - joint).exp()[..., None])
+    return out
 
 
 def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
@@ -212,21 +352,56 @@ class Attention(nn.Module):
             x = getattr(self, norm)(x)
         return self.rotary(x.transpose(1, 2), positions)
 
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: str, pos: torch.Tensor) -> torch.Tensor:
+        """Projected, normalized, rotated heads (B, heads, T, D) of x (B, T, hidden), stored (B, T, heads, D).
+        Without autograd a long input goes in chunks of PROJECT_CHUNK positions, so the projection's and the
+        norm's outputs live one chunk at a time (otherwise they are the prefill's peak memory)."""
+        B, T, _ = x.shape
+        heads = proj.out_features // self.head_dim
+        if torch.is_grad_enabled() or T <= PROJECT_CHUNK:
+            return self._norm_rope(proj(x).view(B, T, heads, self.head_dim), norm, pos)
+        out = x.new_empty(B, T, heads, self.head_dim)
+        for a in range(0, T, PROJECT_CHUNK):
+            b = min(a + PROJECT_CHUNK, T)
+            part = proj(x[:, a:b]).view(B, b - a, heads, self.head_dim)
+            out[:, a:b] = self._norm_rope(part, norm, pos[a:b]).transpose(1, 2)
+        return out.transpose(1, 2)
+
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
         """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
         B, T, _ = x.shape
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         if cache is not None and cache.repeats > 1:
             cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
+        if self.kind != "full" and T > PREFILL_CHUNK and not torch.is_grad_enabled():
+            return self._chunked_prefill(x, cache, start)
         pos = torch.arange(start, start + T, device=x.device)
-        q = self._norm_rope(self.q_proj(x).view(B, T, H, D), "q_norm", pos)  # (B, H, T, D)
-        k = self._norm_rope(self.k_proj(x).view(B, T, KVH, D), "k_norm", pos)  # (B, KVH, T, D)
-        v = self.v_proj(x).view(B, T, KVH, D).transpose(1, 2)  # (B, KVH, T, D)
+        q = self._heads(x, self.q_proj, "q_norm", pos)  # (B, H, T, D)
         if self.kind == "full":
-            out = self._full(q, k, v, cache, start)
-        else:
-            out = self._windowed(x, q, k, v, pos, cache, start)
+            out = self._full(q, *self._keys_values(x, pos), cache, start)
+        else:  # keys and values are made inside: the layer holds them only until they are concatenated
+            out = self._windowed(x, q, pos, cache, start)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def _chunked_prefill(self, x: torch.Tensor, cache: LayerCache | None, start: int) -> torch.Tensor:
+        """A sliding or compressed layer's long forward without autograd, PREFILL_CHUNK positions at a time
+        through its cache (a fresh one when none is given): what a query reads (the local window and the
+        complete windows' entries) is all in the cache, so nothing of size T is held but the output and the
+        entries: the prefill's peak memory is chunk-sized.  Equal to one forward (the prefill + continuation
+        tests)."""
+        B, T, _ = x.shape
+        cache = self.new_cache(B, x.dtype, x.device) if cache is None else cache
+        out = x.new_empty(B, T, self.o_proj.out_features)
+        for a in range(0, T, PREFILL_CHUNK):
+            b = min(a + PREFILL_CHUNK, T)
+            out[:, a:b] = self.forward(x[:, a:b], cache, start + a)
+        return out
+
+    def _keys_values(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalized, rotated keys and values (B, KVH, T, D) of x (B, T, hidden) at positions pos."""
+        B, T, _ = x.shape
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return self._heads(x, self.k_proj, "k_norm", pos), v
 
     def _full(self, q, k, v, cache, start):
         if cache is not None:
@@ -248,7 +423,8 @@ class Attention(nn.Module):
         ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
         return ek, ev, starts + c.window - 1
 
-    def _windowed(self, x, q, k, v, pos, cache, start):
+    def _windowed(self, x, q, pos, cache, start):
+        k, v = self._keys_values(x, pos)
         B, KVH, T, D = k.shape
         L = self.local
         keep = cache is not None
@@ -256,6 +432,7 @@ class Attention(nn.Module):
             cache = self.new_cache(B, x.dtype, x.device)
         k_all = torch.cat([cache.raw_k, k], dim=2)  # (B, KVH, L-1+T, D)
         v_all = torch.cat([cache.raw_v, v], dim=2)
+        del k, v  # the concatenated copies hold them
         k_pos = torch.cat([cache.raw_pos, pos])  # (L-1+T,)
         vis = Visible(None, None, None)
         if self.compressor is not None:
