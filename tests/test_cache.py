@@ -89,7 +89,7 @@ def test_head_stagger_keeps_the_cache_bytes_per_token(stagger):
     from phasekv.report.findings import BYTES_TOLERANCE
 
     torch.manual_seed(0)
-    T, kw = 504, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=32, local_window=16,
+    T, kw = 504, dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32, local_window=16,
                       compressor="gated", window=8, stride=8)
     sizes, entries = {}, {}
     for name, extra in (("base", dict()), ("heads", dict(head_stagger=True, stagger=stagger))):

@@ -157,7 +157,7 @@ def test_head_stagger_keeps_each_heads_own_windows(stagger):
                 k, v = plain.compress(x[:, first:])  # (B, N, KVH, D) on the head's own S-grid
                 starts = first + torch.arange(k.shape[1]) * 8
                 k = attn._norm_rope(k[:, :, h:h + 1].transpose(1, 2), "k_norm", starts)  # (B, 1, N, D)
-            mine = lc.entries_owner == h
+            mine = attn.entry_owners(lc.entries_end) == h
             assert lc.entries_end[mine].tolist() == (starts + 7).tolist()
             torch.testing.assert_close(lc.entries_k[:, :, mine], k, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lc.entries_v[:, :, mine], v[:, :, h:h + 1].transpose(1, 2), rtol=1e-5,

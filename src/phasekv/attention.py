@@ -251,11 +251,10 @@ class Attention(nn.Module):
         mask = torch.arange(P, device=q.device)[None, :] <= torch.arange(P - T, P, device=q.device)[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    def compressed_entries(self, h: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor | None]:
+    def compressed_entries(self, h: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries of the complete windows of h (B, P, hidden), whose first token is at position `first`
-        (a window start): normalized, rotated keys and values (B, KVH, N, D), end positions (N,) on the CPU, and
-        None; with head stagger, keys and values (B, 1, N, D) of each window's owning KV head and the owners (N,)."""
+        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,) on the CPU;
+        with head stagger, keys and values (B, 1, N, D) of each window's owning KV head (`entry_owners`)."""
         c = self.compressor
         ek, ev = c.compress(h)  # (B, N, KVH, D)
         n = ek.shape[1]
@@ -263,14 +262,18 @@ class Attention(nn.Module):
             raise ValueError(f"compressor {c.name}: compress returned {n} windows, expected one every "
                              f"grid_stride={c.grid_stride} tokens")
         starts = first + torch.arange(n) * c.grid_stride  # on the CPU, like every entry position
-        owner = None
         if c.head_stagger:  # keep the owner's entry only: (B, N, 1, D)
-            owner = c.owners(starts).to(torch.int16)
-            pick = owner.to(device=h.device, dtype=torch.long).view(1, n, 1, 1).expand(ek.shape[0], n, 1, ek.shape[3])
+            pick = c.owners(starts).to(h.device).view(1, n, 1, 1).expand(ek.shape[0], n, 1, ek.shape[3])
             ek, ev = ek.gather(2, pick), None if ev is None else ev.gather(2, pick)
         ek = self._norm_rope(ek.transpose(1, 2), "k_norm", starts.to(h.device))  # (B, KVH or 1, N, D)
         ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
-        return ek, ev, starts + c.window - 1, owner
+        return ek, ev, starts + c.window - 1
+
+    def entry_owners(self, ends: torch.Tensor | None) -> torch.Tensor | None:
+        """The KV head owning each cached entry (window ends `ends` (N,)) with head stagger, else None: a function
+        of the window's start, so the cache need not store it."""
+        c = self.compressor
+        return c.owners(ends - c.window + 1) if c.head_stagger and ends is not None else None
 
     def _windowed(self, x, q, k, v, pos, cache, start):
         B, KVH, T, D = k.shape
@@ -286,11 +289,12 @@ class Attention(nn.Module):
             # (B, P+T, hidden); no copy of x when nothing is pending (the whole training forward)
             h = torch.cat([cache.pending_h, x], dim=1) if cache.pending_h.shape[1] else x
             h = h[:, max(0, cache.pending_start - (start - cache.pending_h.shape[1])):]  # from a window start
-            nk, nv, nend, owner = self.compressed_entries(h, cache.pending_start)
-            cache.add_entries(nk, nv if not self.compressor.tied else None, nend, owner)
+            nk, nv, nend = self.compressed_entries(h, cache.pending_start)
+            cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
             consumed = nk.shape[2] * self.compressor.grid_stride
             cache.pending_h, cache.pending_start = h[:, consumed:], cache.pending_start + consumed
-            vis = Visible(cache.entries_k, cache.values(), cache.entries_end, entries_owner=cache.entries_owner)
+            vis = Visible(cache.entries_k, cache.values(), cache.entries_end,
+                          entries_owner=self.entry_owners(cache.entries_end))
             if vis.entries_k is not None:
                 vis.selection = self.compressor.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
         cache.raw_k, cache.raw_v, cache.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]

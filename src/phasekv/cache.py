@@ -8,8 +8,9 @@ Full layers keep every key and value.  Sliding and compressed layers keep
   - the compressed entries: one normalized, rotated key per complete window and KV head, and one
     value unless K/V are tied (tied layers store the value only once, as the key).
 So a compressed layer holds about (local_window + T / S) tokens' worth of K/V at T tokens.
-With head stagger (`model.head_stagger`) a layer stores one entry per window of its S / KVH grid, for the
-one KV head that owns it: entries (B, 1, N, D) plus `entries_owner` (N,), the same bytes as (B, KVH, N / KVH, D).
+With head stagger (`model.head_stagger`) a layer stores one entry per window of its S / KVH grid, of the one
+KV head that owns it: entries (B, 1, N, D), the same bytes as (B, KVH, N / KVH, D).  The owner is a function
+of the window's start (`Compressor.owners`), so it is derived from `entries_end`, not stored.
 
 Usage: `cache = KVCache()`, then `model(ids, cache=cache)` repeatedly; `cache.copy()` forks a
 prefilled context, `cache.shared(n)` lets n query rows per context read it once without copying it
@@ -34,10 +35,9 @@ class LayerCache:
     raw_pos: torch.Tensor | None = None  # (L-1,), -1 = empty slot
     pending_h: torch.Tensor | None = None  # (B, P, hidden)
     pending_start: int = 0
-    entries_k: torch.Tensor | None = None  # (B, KVH, N, D)
+    entries_k: torch.Tensor | None = None  # (B, KVH, N, D), or (B, 1, N, D) with head stagger
     entries_v: torch.Tensor | None = None  # None when tied
     entries_end: torch.Tensor | None = None  # (N,), on the CPU: visibility is decided on the host
-    entries_owner: torch.Tensor | None = None  # (N,) int16 on the CPU, head stagger only: the KV head of each entry
     # > 1: a read-only view in which each of the B cached contexts serves `repeats` consecutive rows
     repeats: int = 1
 
@@ -53,24 +53,20 @@ class LayerCache:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
-    def add_entries(self, k: torch.Tensor, v: torch.Tensor | None, end: torch.Tensor,
-                    owner: torch.Tensor | None = None) -> None:
-        """Append entries k, v (B, KVH or 1, n, D) whose windows end at `end` (n,); `owner` (n,): the KV head
-        of each entry when the layer staggers its heads (then k, v hold one head)."""
+    def add_entries(self, k: torch.Tensor, v: torch.Tensor | None, end: torch.Tensor) -> None:
         if self.entries_k is None:
-            self.entries_k, self.entries_v, self.entries_end, self.entries_owner = k, v, end, owner
+            self.entries_k, self.entries_v, self.entries_end = k, v, end
             return
         self.entries_k = torch.cat([self.entries_k, k], dim=2)
         self.entries_v = None if v is None else torch.cat([self.entries_v, v], dim=2)
         self.entries_end = torch.cat([self.entries_end, end])
-        self.entries_owner = None if owner is None else torch.cat([self.entries_owner, owner])
 
     def expanded(self) -> LayerCache:
         """A fresh cache with each context repeated `repeats` times along the batch: the forward of one
         layer extends this transient copy and drops it, so the shared cache is read, never written."""
         def repeat(name: str, value):
             # positions carry no batch dimension; everything else gets fresh repeated storage
-            if not isinstance(value, torch.Tensor) or name in ("raw_pos", "entries_end", "entries_owner"):
+            if not isinstance(value, torch.Tensor) or name in ("raw_pos", "entries_end"):
                 return value
             return value.repeat_interleave(self.repeats, dim=0)
 
