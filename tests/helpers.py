@@ -24,6 +24,8 @@ COMPRESSOR_MATRIX = {
                                      rope_dims=16, rope_part="last"),
     "gated-w8s8-norope-noqknorm": dict(compressor="gated", window=8, stride=8, rope_dims=0, qk_norm=False),
     "gated-w4s4-stagger": dict(compressor="gated", window=4, stride=4, stagger=True),
+    "gated-w4s4-headstagger": dict(compressor="gated", window=4, stride=4, head_stagger=True),
+    "gated-w8s8-headstagger-layer": dict(compressor="gated", window=8, stride=8, head_stagger=True, stagger=True),
     "gated-w8s4-shared-payload": dict(compressor="gated", window=8, stride=4, payload="shared"),
     "deepseek_csa": dict(compressor="deepseek_csa", csa_block=4, rope_dims=16, rope_part="last", attn_sink=True),
     "deepseek_csa-indexer": dict(compressor="deepseek_csa", csa_block=4, index_topk=2),

@@ -31,14 +31,22 @@ def test_windowed_attention_matches_reference(tail, sink, topk, batch, groups, b
     ends = torch.arange(N) * S + W - 1  # windows consistent with the tail's geometry
     vis = Visible(torch.randn(B, KVH, N, D), torch.randn(B, KVH, N, D), ends,
                   Selection(torch.randn(B, T, N), topk) if topk else None)
-    s = torch.randn(KVH * G) * 3 if sink else None
-    ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, L, vis, s, tail)
-    if path == "blocks":
-        q.requires_grad_()
+    _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, torch.randn(KVH * G) * 3 if sink else None, tail, block,
+                              path, monkeypatch)
+
+
+def _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, sink, tail, block, path="blocks", monkeypatch=None):
+    """The fast path `path` ("parts": `attention_by_parts`, taken without autograd; "blocks": the per-block
+    SDPA path, taken while autograd records) equals the reference, and is the path taken."""
+    T = q.shape[3]
+    ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail)
     calls = []
-    monkeypatch.setattr(attention, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
-    fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, s, tail, block=block).detach()
-    assert bool(calls) == (path != "blocks")
+    if monkeypatch is not None:
+        monkeypatch.setattr(attention, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
+    q = q.clone().requires_grad_(path == "blocks")
+    fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail, block=block).detach()
+    if monkeypatch is not None:
+        assert bool(calls) == (path != "blocks")
     # every query reads at least one key (its own token, or the entry that just compressed it): no NaN rows
     assert torch.isfinite(fast).all()
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
@@ -128,25 +136,65 @@ def test_query_block_size_does_not_change_logits():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sink, topk", [(False, 0), (True, 2)])
-def test_gradients_over_several_blocks_match_reference(sink, topk):
+@pytest.mark.parametrize("sink, topk, head_stagger", [(False, 0, False), (True, 2, False), (True, 0, True)])
+def test_gradients_over_several_blocks_match_reference(sink, topk, head_stagger):
     """Training runs many query blocks through shared buffers: every input's gradient equals the reference's
     (a buffer rewritten after SDPA saved it would raise or corrupt the backward pass)."""
     torch.manual_seed(1)
     B, KVH, G, T, D, L, N, W, S = 1, 2, 2, 23, 8, 5, 6, 8, 4
+    E = 1 if head_stagger else KVH  # head-staggered entries hold one head each, owned in turn
     leaves = {"q": torch.randn(B, KVH, G, T, D), "k": torch.randn(B, KVH, L - 1 + T, D),
-              "v": torch.randn(B, KVH, L - 1 + T, D), "ek": torch.randn(B, KVH, N, D),
-              "ev": torch.randn(B, KVH, N, D), "sink": torch.randn(KVH * G)}
+              "v": torch.randn(B, KVH, L - 1 + T, D), "ek": torch.randn(B, E, N, D),
+              "ev": torch.randn(B, E, N, D), "sink": torch.randn(KVH * G)}
     k_pos = torch.cat([torch.full((L - 1,), -1), torch.arange(T)])
     ends = torch.arange(N) * S + W - 1
     select = Selection(torch.randn(B, T, N), topk) if topk else None
+    owner = torch.arange(N) % KVH if head_stagger else None
     grads = []
     for fn, kw in ((windowed_attention, {"block": 4}), (windowed_attention_reference, {})):
         x = {name: t.clone().requires_grad_() for name, t in leaves.items()}
-        vis = Visible(x["ek"], x["ev"], ends, select)
+        vis = Visible(x["ek"], x["ev"], ends, select, owner)
         out = fn(x["q"], torch.arange(T), x["k"], x["v"], k_pos, L, vis, x["sink"] if sink else None, None, **kw)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         grads.append({name: t.grad for name, t in x.items() if t.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == (6 if sink else 5)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5)
+
+
+def _head_staggered_inputs(B, KVH, G, T, D, L, N, step, W):
+    """Random queries, raw keys and N one-head entries (B, 1, N, D) every `step` tokens, owned in turn by the
+    KV heads (as a head-staggered layer stores them)."""
+    q = torch.randn(B, KVH, G, T, D)
+    k_all, v_all = torch.randn(B, KVH, L - 1 + T, D), torch.randn(B, KVH, L - 1 + T, D)
+    k_pos = torch.cat([torch.full((L - 1,), -1), torch.arange(T)])
+    owner = (torch.arange(N) % KVH).to(torch.int16)
+    vis = Visible(torch.randn(B, 1, N, D), torch.randn(B, 1, N, D), torch.arange(N) * step + W - 1,
+                  entries_owner=owner)
+    return q, k_all, v_all, k_pos, vis
+
+
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("batch, kv_heads, groups, block", [(1, 2, 2, 5), (2, 4, 1, 3), (2, 2, 3, 128)])
+def test_head_staggered_entries_match_reference(sink, batch, kv_heads, groups, block):
+    torch.manual_seed(0)
+    B, KVH, G, T, D, L, N, W = batch, kv_heads, groups, 23, 8, 5, 8, 8
+    q, k_all, v_all, k_pos, vis = _head_staggered_inputs(B, KVH, G, T, D, L, N, 8 // KVH, W)
+    _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, torch.randn(KVH * G) * 3 if sink else None, None, block)
+
+
+def test_head_staggered_entry_is_read_by_its_owner_only():
+    """Changing the entries of KV head 0 changes the outputs of its query heads after the first entry is
+    complete, and never the outputs of KV head 1's query heads."""
+    torch.manual_seed(0)
+    B, KVH, G, T, D, L, N, W = 1, 2, 2, 23, 8, 5, 8, 8
+    q, k_all, v_all, k_pos, vis = _head_staggered_inputs(B, KVH, G, T, D, L, N, 4, W)
+    base = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, None, None, block=4)
+    mine = vis.entries_owner == 0
+    changed = Visible(vis.entries_k + 3 * mine.view(1, 1, N, 1), vis.entries_v - 2 * mine.view(1, 1, N, 1),
+                      vis.entries_end, entries_owner=vis.entries_owner)
+    out = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, changed, None, None, block=4)
+    torch.testing.assert_close(out[:, 1], base[:, 1], rtol=0, atol=0)
+    first = int(vis.entries_end[0])
+    assert torch.equal(out[:, 0, :, :first], base[:, 0, :, :first])
+    assert (out[:, 0, :, first:] - base[:, 0, :, first:]).abs().amax(dim=-1).min() > 1e-4

@@ -80,3 +80,24 @@ def test_cache_bytes_follow_local_window_plus_entries(window, stride):
         sizes[name] = cache.nbytes()
     expected = (L + T / stride) / T
     assert sizes["comp"] / sizes["full"] == pytest.approx(expected, rel=0.15)
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_head_stagger_keeps_the_cache_bytes_per_token(stagger):
+    """A head-staggered layer stores one KV head's entry every S / KVH tokens: after a long prefill its cache
+    holds the baseline's bytes per token within the fixes' 5% (the 4-KV-head W8/S8 geometry of the presets)."""
+    from phasekv.report.findings import BYTES_TOLERANCE
+
+    torch.manual_seed(0)
+    T, kw = 504, dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32, local_window=16,
+                      compressor="gated", window=8, stride=8)
+    sizes, entries = {}, {}
+    for name, extra in (("base", dict()), ("heads", dict(head_stagger=True, stagger=stagger))):
+        model = build_model(tiny(**kw, **extra)).eval()
+        cache = KVCache()
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, T)), cache=cache)
+        sizes[name] = cache.nbytes() / T
+        entries[name] = [lc.entries_k.shape for lc in cache.layers]
+    assert all(shape[1] == 1 for shape in entries["heads"])  # one KV head per stored entry
+    assert sizes["heads"] / sizes["base"] == pytest.approx(1, abs=BYTES_TOLERANCE)

@@ -24,7 +24,7 @@ def test_fast_equals_reference(name):
         h = torch.randn(2, 3 * comp.window + comp.stride + 1, config.hidden_size)
         fast_k, fast_v = comp.compress(h)
         ref_k, ref_v = comp.compress_reference(h)
-    assert fast_k.shape == (2, num_windows(h.shape[1], comp.window, comp.stride), 2, 16)
+    assert fast_k.shape == (2, num_windows(h.shape[1], comp.window, comp.grid_stride), 2, 16)
     torch.testing.assert_close(fast_k, ref_k, rtol=1e-5, atol=1e-5)
     if comp.tied:
         assert fast_v is None and ref_v is None
@@ -112,7 +112,7 @@ def test_gated_compression_in_chunks_of_windows_equals_one_pass(name, monkeypatc
     with torch.no_grad():
         for p in comp.parameters():
             p.normal_(0, 0.5)
-        h = torch.randn(2, 7 * comp.stride + comp.window, config.hidden_size)  # 8 windows
+        h = torch.randn(2, 7 * comp.grid_stride + comp.window, config.hidden_size)  # 8 windows
         whole = comp.compress(h)
         monkeypatch.setattr(gated, "COMPRESS_CHUNK", 3)  # 3 + 3 + 2 windows
         chunked = comp.compress(h)
@@ -124,3 +124,41 @@ def test_gated_compression_in_chunks_of_windows_equals_one_pass(name, monkeypatc
     if not comp.tied:
         torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=0)
         torch.testing.assert_close(chunked[1], ref_v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_head_stagger_keeps_each_heads_own_windows(stagger):
+    """Each KV head's stored entries are exactly the windows starting at its offsets: the same as compressing
+    the layer input on the S-grid shifted to the head's first window start and keeping that head's entries,
+    also when the cache is filled in pieces (prefill, then one token at a time)."""
+    from phasekv.cache import KVCache
+    from phasekv.probes.hooks import attention_inputs
+
+    torch.manual_seed(0)
+    config = tiny(compressor="gated", window=8, stride=8, num_attention_heads=8, num_key_value_heads=4,
+                  head_stagger=True, stagger=stagger)
+    model = build_model(config).eval()
+    plain = build(tiny(compressor="gated", window=8, stride=8, num_attention_heads=8, num_key_value_heads=4),
+                  "gated")
+    ids = torch.randint(0, 64, (2, 45))
+    cache = KVCache()
+    with torch.no_grad(), attention_inputs(model) as inputs:
+        model(ids[:, :13], cache=cache)
+        for t in range(13, 45):
+            model(ids[:, t:t + 1], cache=cache)
+    for i, layer in enumerate(model.model.layers):
+        attn, lc = layer.self_attn, cache.layers[i]
+        c, x = attn.compressor, torch.cat(inputs[i], dim=1)  # (B, 45, hidden) the layer's input
+        plain.load_state_dict(c.state_dict())
+        offsets = [c.head_offset(h) for h in range(4)]
+        assert sorted(o % 8 for o in offsets) == [o + c.offset % 2 for o in (0, 2, 4, 6)]
+        for h, first in enumerate(offsets):
+            with torch.no_grad():
+                k, v = plain.compress(x[:, first:])  # (B, N, KVH, D) on the head's own S-grid
+                starts = first + torch.arange(k.shape[1]) * 8
+                k = attn._norm_rope(k[:, :, h:h + 1], "k_norm", starts)  # (B, 1, N, D)
+            mine = attn.entry_owners(lc.entries_end) == h
+            assert lc.entries_end[mine].tolist() == (starts + 7).tolist()
+            torch.testing.assert_close(lc.entries_k[:, :, mine], k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lc.entries_v[:, :, mine], v[:, :, h:h + 1].transpose(1, 2), rtol=1e-5,
+                                       atol=1e-5)

@@ -174,12 +174,38 @@ def test_staggered_layers_report_gates_on_their_real_windows():
     """Layer 1 of a staggered W = S = 4 model starts its windows at position 2.  A token X placed at every
     position = 3 mod 4 sits at offset 1 of layer 1's windows (and offset 3 of layer 0's); a gate that
     attends to X must show that, which it does only if statistics use the layer's true window starts."""
-    torch.manual_seed(0)
     config = tiny(compressor="gated", window=4, stride=4, stagger=True, num_key_value_heads=1)
+    model = _gates_see_token(config, X=5)
+    assert [c.offset for _, c in compressors_of(model)] == [0, 2]
+    ids = torch.randint(6, config.vocab_size, (3, 42))
+    ids[:, 3::4] = 5
+    gates = {(g["layer"], g["branch"]): g for g in gate_statistics(model, ids, progress=False)}
+    assert gates[(0, "k")]["profile"] == pytest.approx([0, 0, 0, 1], abs=1e-4)
+    assert gates[(1, "k")]["profile"] == pytest.approx([0, 1, 0, 0], abs=1e-4)
+    assert gates[(1, "k")]["first_window_start"] == 2
+    assert gates[(1, "k")]["offset_phases"] == [2, 3, 0, 1]  # the profile's peak is at phase 3 in both layers
+
+
+def test_staggered_heads_report_gates_on_their_own_windows():
+    """With head stagger (W = S = 4, 2 KV heads), head 1 starts its windows at 2: X at every position = 3 mod 4
+    sits at offset 3 of head 0's windows and offset 1 of head 1's, in each layer."""
+    config = tiny(compressor="gated", window=4, stride=4, head_stagger=True)
+    model = _gates_see_token(config, X=5)
+    ids = torch.randint(6, config.vocab_size, (3, 42))
+    ids[:, 3::4] = 5
+    gates = {(g["layer"], g["kv_head"]): g for g in gate_statistics(model, ids, progress=False) if g["branch"] == "k"}
+    for layer in (0, 1):
+        assert gates[(layer, 0)]["profile"] == pytest.approx([0, 0, 0, 1], abs=1e-4)
+        assert gates[(layer, 1)]["profile"] == pytest.approx([0, 1, 0, 0], abs=1e-4)
+        assert gates[(layer, 1)]["first_window_start"] == 2
+        assert gates[(layer, 1)]["offset_phases"] == [2, 3, 0, 1]
+
+
+def _gates_see_token(config, X: int):
+    """A model whose residual stream is the token embedding and whose key gates attend only to token X."""
+    torch.manual_seed(0)
     model = build_model(config).eval()
     layers = compressors_of(model)
-    assert [c.offset for _, c in layers] == [0, 2]
-    X = 5
     with torch.no_grad():
         for layer in model.model.layers:  # the residual stream stays the token embedding
             layer.self_attn.o_proj.weight.zero_()
@@ -193,20 +219,16 @@ def test_staggered_layers_report_gates_on_their_real_windows():
                 p.zero_()
                 if name == "k_gate":
                     p[:, 0, :] = 50.0  # every offset's logit = 50 * (normalized h)[0]: large only for X
-    ids = torch.randint(6, config.vocab_size, (3, 42))
-    ids[:, 3::4] = X
-    gates = {(g["layer"], g["branch"]): g for g in gate_statistics(model, ids, progress=False)}
-    assert gates[(0, "k")]["profile"] == pytest.approx([0, 0, 0, 1], abs=1e-4)
-    assert gates[(1, "k")]["profile"] == pytest.approx([0, 1, 0, 0], abs=1e-4)
-    assert gates[(1, "k")]["first_window_start"] == 2
-    assert gates[(1, "k")]["offset_phases"] == [2, 3, 0, 1]  # the profile's peak is at phase 3 in both layers
+    return model
 
 
 def test_cycling_excludes_each_layers_boundary_phase():
-    from phasekv.probes.cycle import boundary_phases
+    from phasekv.probes.cycle import boundary_phases, cycle_stride
 
     assert boundary_phases(build_model(tiny(compressor="gated", window=4, stride=4))) == [3]
     assert boundary_phases(build_model(tiny(compressor="gated", window=4, stride=4, stagger=True))) == [1, 3]
+    with pytest.raises(ValueError, match="staggers its KV heads"):
+        cycle_stride(build_model(tiny(compressor="gated", window=4, stride=4, head_stagger=True)))
 
 
 # ----------------------------------------------------------------------------- model families

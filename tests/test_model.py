@@ -82,6 +82,12 @@ def test_fused_rms_norm_equals_the_unfused_form():
     (dict(layer_types=["full", "bogus"]), "layer_types"),
     (dict(compressor="gated", gate="matrix"), "gate"),
     (dict(hidden_size=0), "hidden_size"),
+    (dict(head_stagger=True), "head_stagger"),  # no compressed layer
+    (dict(compressor="gated", head_stagger=True, num_key_value_heads=1), "head_stagger"),
+    (dict(compressor="gated", window=6, stride=6, head_stagger=True, num_key_value_heads=4), "head_stagger"),
+    (dict(compressor="gated", window=6, stride=6, head_stagger=True, stagger=True), "head_stagger"),  # 6 % (2 * 2)
+    (dict(compressor="gated", head_stagger=True, uncompressed_tail=True), "head_stagger"),
+    (dict(compressor="deepseek_csa", csa_block=4, index_topk=2, head_stagger=True), "head_stagger"),
 ])
 def test_bad_configs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

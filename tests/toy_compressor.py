@@ -38,7 +38,7 @@ class ToyMean(Compressor):
         self.v_map = nn.Parameter(torch.randn(config.hidden_size, F) * config.initializer_range)
 
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden)
+        hw = windows(h, self.window, self.grid_stride)  # (B, N, W, hidden)
         mean = hw.mean(dim=2)  # (B, N, hidden)
         B, N, _ = mean.shape
         shape = (B, N, self.num_kv_heads, self.head_dim)
@@ -46,12 +46,12 @@ class ToyMean(Compressor):
 
     def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = h.shape
-        n = num_windows(T, self.window, self.stride)
+        n = num_windows(T, self.window, self.grid_stride)
         k = torch.zeros(B, n, self.num_kv_heads, self.head_dim, dtype=h.dtype)
         v = torch.zeros_like(k)
         for b in range(B):
             for j in range(n):
-                total = sum(h[b, j * self.stride + i] for i in range(self.window)) / self.window
+                total = sum(h[b, j * self.grid_stride + i] for i in range(self.window)) / self.window
                 k[b, j] = self.scale * (total @ self.k_map).view(self.num_kv_heads, self.head_dim)
                 v[b, j] = self.scale * (total @ self.v_map).view(self.num_kv_heads, self.head_dim)
         return k, v

@@ -8,7 +8,10 @@ plus an optional learned per-head sink logit in the denominator.  A sliding laye
 Full layers use PyTorch SDPA.
 
 Layout: per-head tensors are (B, KVH, G, T, D) with query head h = kvh * G + g (as HF's
-`repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).
+`repeat_kv`), keys and values (B, KVH, T, D), compressed entries (B, KVH, N, D).  A layer with head
+stagger (`model.head_stagger`, beyond the paper) holds entries (B, 1, N, D) with an owner per entry: only
+the query heads of the owning KV head read it (the others see it masked), so its entries cost the same
+cache bytes and the attention reads KVH times as many entry columns, most of them masked.
 
 Two fast paths, both tested against `windowed_attention_reference` (the per-query loop):
   - with autograd (training) or an indexer's selection: queries in blocks, one fused SDPA call per block
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasekv.cache import LayerCache
-from phasekv.compression import Selection
+from phasekv.compression import Selection, num_windows
 from phasekv.compression import build as build_compressor
 from phasekv.config import LAYER_KINDS_BUILTIN, ModelConfig
 from phasekv.layers import RMSNorm, Rotary
@@ -46,6 +49,8 @@ class Visible:
     entries_v: torch.Tensor | None  # (B, KVH, N, D)
     entries_end: torch.Tensor | None  # (N,) last token position of each entry's window, on the CPU
     selection: Selection | None = None  # the compressor's choice of entries per query (None: all visible)
+    entries_owner: torch.Tensor | None = None  # (N,) on the CPU, head stagger: entries are (B, 1, N, D), read by
+    # the query heads of KV head entries_owner[j] only
 
 
 def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
@@ -54,9 +59,10 @@ def tail_start(t: torch.Tensor, window: int, stride: int) -> torch.Tensor:
     return torch.where(t >= window - 1, done * stride + window, torch.zeros_like(t))
 
 
-def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Tensor) -> torch.Tensor:
-    """(B or 1, Tq, n) True where entry j (window end ends[j]) is usable by the query at q_pos (all on the
-    compute device); `selection` holds these queries' rows."""
+def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Tensor,
+                owned: torch.Tensor | None = None) -> torch.Tensor:
+    """(B or 1, H or 1, Tq, n) True where entry j (window end ends[j]) is usable by the query at q_pos (all on
+    the compute device); `selection` holds these queries' rows; `owned` (H, n): query head h may read entry j."""
     ok = (ends[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
     n = ends.shape[0]
     if selection is not None and n > selection.k:
@@ -64,7 +70,14 @@ def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Te
         keep = scores.topk(selection.k, dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
         ok = ok & chosen
-    return ok
+    return ok[:, None] if owned is None else ok[:, None] & owned[None, :, None]
+
+
+def _owned(owner: torch.Tensor | None, H: int, G: int, device: torch.device) -> torch.Tensor | None:
+    """(H, N) True where query head h reads entry j: its KV head h // G owns it (None: every head reads all)."""
+    if owner is None:
+        return None
+    return owner.to(device)[None, :] == torch.arange(H, device=device)[:, None] // G
 
 
 def _raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int, int] | None) -> torch.Tensor:
@@ -87,19 +100,18 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
                        k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
     """Joint softmax over the raw local window and visible compressed entries.
-
-    q (B, KVH, G, Tq, D) at positions q_pos (Tq,), a CPU tensor: how many entries a block of queries
-    sees is decided on the host (no device sync; the meta device works).  k_all, v_all
-    (B, KVH, local-1+Tq, D) hold the `local - 1` raw tokens before the queries (position -1 = empty
-    slot) then the queries' own.
-    `tail` = (W, S) restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).
-
-    One fused `scaled_dot_product_attention` call per block of queries a..b-1 over the keys
+    q (B, KVH, G, Tq, D) at positions q_pos (Tq,), a CPU tensor: how many entries a block of queries sees is
+    decided on the host (no device sync; the meta device works).  k_all, v_all (B, KVH, local-1+Tq, D) hold the
+    `local - 1` raw tokens before the queries (position -1 = empty slot) then the queries' own.  `tail` = (W, S)
+    restricts raw tokens to the uncompressed tail.  Returns (B, KVH, G, Tq, D).  Without autograd and with
+    entries on one grid, `attention_by_parts` computes it; otherwise (training, an indexer, head stagger):
+    one fused `scaled_dot_product_attention` call per block of queries a..b-1 over the keys
     [raw tokens a-local+1 .. b-1 | sink | entries visible to the block's last query], under an additive
-    float mask (PyTorch's CPU kernel takes a float mask at no extra cost, a boolean one at about twice
-    the time).  Keys, values and mask live in buffers filled once: per block only the raw keys and the
-    mask columns that change are rewritten (entries visible to every query of the block stay at 0).
-    The sink is a key of zeros (logit 0) whose per-head mask value is the sink logit, with a zero value.
+    float mask (the CPU kernel takes a float mask at no extra cost, a boolean one at twice the time).  Keys, values
+    and mask live in buffers filled once: per block only the raw keys and the changing mask columns are
+    rewritten (entries visible to every query of the block stay at 0).  Head-staggered
+    entries (B, 1, N, D) fill every KV head's slots, masked for all but their owner.  The sink is a key of zeros
+    (logit 0) whose per-head mask value is the sink logit, with a zero value.
     """
     if not _records_grad(q, k_all, v_all, vis.entries_k, vis.entries_v, sink) and regular_entries(vis):
         return attention_by_parts(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block)
@@ -110,17 +122,16 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     nq, n_total = min(block, Tq), 0 if vis.entries_k is None else vis.entries_k.shape[2]
     R, E = nq + local - 1, int(sink is not None)  # raw key slots, sink slots; entries start at R + E
-    keys = k_all.new_zeros(B, KVH, R + E + n_total, D)  # (B, KVH, R+E+N, D)
-    vals = v_all.new_zeros(B, KVH, R + E + n_total, D)
-    if n_total:
+    keys, vals = (t.new_zeros(B, KVH, R + E + n_total, D) for t in (k_all, v_all))  # (B, KVH, R+E+N, D)
+    if n_total:  # head-staggered entries (B, 1, N, D) are broadcast to every KV head, then masked by owner
         keys[:, :, R + E:], vals[:, :, R + E:] = vis.entries_k, vis.entries_v
-    # masks depend on (batch, query, key) and on the head only through the sink
-    mask = q.new_zeros(B if vis.selection is not None else 1, H if E else 1, nq, R + E + n_total)
+    owned = _owned(vis.entries_owner, H, G, k_pos.device) if n_total else None  # (H, N) or None
+    heads = H if E or owned is not None else 1  # masks depend on the head only through the sink and the owners
+    mask = q.new_zeros(B if vis.selection is not None else 1, heads, nq, R + E + n_total)
     if E:
         mask[:, :, :, R] = sink.to(q.dtype).view(1, H, 1)
     zero, minus_inf = q.new_zeros(()), q.new_full((), float("-inf"))
-    q_dev = q_pos.to(k_pos.device)
-    ends = vis.entries_end.to(k_pos.device) if n_total else None
+    q_dev, ends = q_pos.to(k_pos.device), vis.entries_end.to(k_pos.device) if n_total else None
     grad = _records_grad(q, k_all, v_all, vis.entries_k, vis.entries_v, sink)
     band = False  # the mask's raw columns hold the band of a full block whose slots are all filled
     done = 0  # entries visible to every query of the previous block: their mask columns are already 0
@@ -138,8 +149,8 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
         if n:
             first = 0 if vis.selection is not None else done  # a selection may change any column
             sel = None if vis.selection is None else vis.selection.rows(a, b)
-            ok = _entry_mask(ends[first:n], sel, q_dev[a:b])  # (1 or B, nb, n-first)
-            m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)[:, None]
+            ok = _entry_mask(ends[first:n], sel, q_dev[a:b], None if owned is None else owned[:, first:n])
+            m[..., R + E + first:R + E + n] = torch.where(ok, zero, minus_inf)  # (1|B, 1|H, nb, n-first)
             done = int((vis.entries_end <= q_pos[a]).sum())
         M = R + E + n  # autograd saves SDPA's inputs: then the next block must not overwrite them
         kb, vb, mb = (t.clone() if grad else t for t in (keys[:, :, :M], vals[:, :, :M], m[..., :M]))
@@ -166,11 +177,13 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fal
 
 
 def regular_entries(vis: Visible) -> bool:
-    """Every query may read every entry whose window is complete (no selection) and the entries lie on one
-    grid: end of entry j = end of entry 0 + j * stride."""
+    """Every query head may read every entry whose window is complete (no selection, no head stagger) and the
+    entries lie on one grid: end of entry j = end of entry 0 + j * stride."""
     ends = vis.entries_end
-    if vis.selection is not None or ends is None or ends.shape[0] < 2:
-        return vis.selection is None
+    if vis.selection is not None or vis.entries_owner is not None:  # head stagger: owners mask the entries
+        return False
+    if ends is None or ends.shape[0] < 2:
+        return True
     step = ends[1] - ends[0]
     return bool(step > 0) and torch.equal(ends, ends[0] + step * torch.arange(ends.shape[0]))
 
@@ -295,16 +308,18 @@ def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink
         if vis.selection is not None and n > vis.selection.k:
             chosen = sorted(vis.selection.scores[0, i, :n].topk(vis.selection.k).indices.tolist())
             assert B == 1, "reference indexer selection is written for batch 1"
-        keys = torch.cat([k_all[:, :, raw], vis.entries_k[:, :, chosen] if n else k_all[:, :, :0]], dim=2)
-        vals = torch.cat([v_all[:, :, raw], vis.entries_v[:, :, chosen] if n else v_all[:, :, :0]], dim=2)
         for kv in range(KVH):
+            owner = vis.entries_owner  # head stagger: entries (B, 1, N, D), each read by its owner's heads only
+            mine = [j for j in chosen if owner is None or int(owner[j]) == kv]
+            e = kv if owner is None else 0
+            keys = torch.cat([k_all[:, kv, raw], vis.entries_k[:, e, mine] if mine else k_all[:, kv, :0]], dim=1)
+            vals = torch.cat([v_all[:, kv, raw], vis.entries_v[:, e, mine] if mine else v_all[:, kv, :0]], dim=1)
             for g in range(G):
-                s = keys[:, kv] @ q[:, kv, g, i, :, None] / math.sqrt(D)  # (B, M, 1)
-                s = s[..., 0]
+                s = (keys @ q[:, kv, g, i, :, None])[..., 0] / math.sqrt(D)  # (B, M)
                 if sink is not None:
                     s = torch.cat([s, sink[kv * G + g].expand(B, 1)], dim=-1)
-                p = torch.softmax(s, dim=-1)[:, : keys.shape[2]]
-                out[:, kv, g, i] = (p[:, :, None] * vals[:, kv]).sum(1)
+                p = torch.softmax(s, dim=-1)[:, : keys.shape[1]]
+                out[:, kv, g, i] = (p[:, :, None] * vals).sum(1)
     return out
 
 
@@ -343,7 +358,7 @@ class Attention(nn.Module):
             return LayerCache()
         hidden = self.q_proj.in_features
         cache = LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
-        cache.pending_start = 0 if self.compressor is None else self.compressor.offset
+        cache.pending_start = 0 if self.compressor is None else self.compressor.grid_offset
         return cache
 
     def _norm_rope(self, x: torch.Tensor, norm: str, positions: torch.Tensor) -> torch.Tensor:
@@ -414,14 +429,27 @@ class Attention(nn.Module):
 
     def compressed_entries(self, h: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries of the complete windows of h (B, P, hidden), whose first token is at position `first`
-        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,) on the CPU."""
+        (a window start): normalized, rotated keys and values (B, KVH, N, D) and end positions (N,) on the CPU;
+        with head stagger, keys and values (B, 1, N, D) of each window's owning KV head (`entry_owners`)."""
         c = self.compressor
         ek, ev = c.compress(h)  # (B, N, KVH, D)
         n = ek.shape[1]
-        starts = first + torch.arange(n) * c.stride  # on the CPU, like every entry position
-        ek = self._norm_rope(ek, "k_norm", starts.to(h.device))  # (B, KVH, N, D)
+        if n != num_windows(h.shape[1], c.window, c.grid_stride):
+            raise ValueError(f"compressor {c.name}: compress returned {n} windows, expected one every "
+                             f"grid_stride={c.grid_stride} tokens")
+        starts = first + torch.arange(n) * c.grid_stride  # on the CPU, like every entry position
+        if c.head_stagger:  # keep the owner's entry only: (B, N, 1, D)
+            pick = c.owners(starts).to(h.device).view(1, n, 1, 1).expand(ek.shape[0], n, 1, ek.shape[3])
+            ek, ev = ek.gather(2, pick), None if ev is None else ev.gather(2, pick)
+        ek = self._norm_rope(ek, "k_norm", starts.to(h.device))  # (B, KVH or 1, N, D)
         ev = ek if ev is None else ev.transpose(1, 2)  # tied: values are the normalized, rotated keys
         return ek, ev, starts + c.window - 1
+
+    def entry_owners(self, ends: torch.Tensor | None) -> torch.Tensor | None:
+        """The KV head owning each cached entry (window ends `ends` (N,)) with head stagger, else None: a function
+        of the window's start, so the cache need not store it."""
+        c = self.compressor
+        return c.owners(ends - c.window + 1) if c.head_stagger and ends is not None else None
 
     def _windowed(self, x, q, pos, cache, start):
         k, v = self._keys_values(x, pos)
@@ -441,9 +469,10 @@ class Attention(nn.Module):
             h = h[:, max(0, cache.pending_start - (start - cache.pending_h.shape[1])):]  # from a window start
             nk, nv, nend = self.compressed_entries(h, cache.pending_start)
             cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
-            consumed = nk.shape[2] * self.compressor.stride
+            consumed = nk.shape[2] * self.compressor.grid_stride
             cache.pending_h, cache.pending_start = h[:, consumed:], cache.pending_start + consumed
-            vis = Visible(cache.entries_k, cache.values(), cache.entries_end)
+            vis = Visible(cache.entries_k, cache.values(), cache.entries_end,
+                          entries_owner=self.entry_owners(cache.entries_end))
             if vis.entries_k is not None:
                 vis.selection = self.compressor.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
         cache.raw_k, cache.raw_v, cache.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]

@@ -8,6 +8,9 @@ Full layers keep every key and value.  Sliding and compressed layers keep
   - the compressed entries: one normalized, rotated key per complete window and KV head, and one
     value unless K/V are tied (tied layers store the value only once, as the key).
 So a compressed layer holds about (local_window + T / S) tokens' worth of K/V at T tokens.
+With head stagger (`model.head_stagger`) a layer stores one entry per window of its S / KVH grid, of the one
+KV head that owns it: entries (B, 1, N, D), the same bytes as (B, KVH, N / KVH, D).  The owner is a function
+of the window's start (`Compressor.owners`), so it is derived from `entries_end`, not stored.
 
 Usage: `cache = KVCache()`, then `model(ids, cache=cache)` repeatedly; `cache.copy()` forks a
 prefilled context, `cache.shared(n)` lets n query rows per context read it once without copying it
@@ -32,7 +35,7 @@ class LayerCache:
     raw_pos: torch.Tensor | None = None  # (L-1,), -1 = empty slot
     pending_h: torch.Tensor | None = None  # (B, P, hidden)
     pending_start: int = 0
-    entries_k: torch.Tensor | None = None  # (B, KVH, N, D)
+    entries_k: torch.Tensor | None = None  # (B, KVH, N, D), or (B, 1, N, D) with head stagger
     entries_v: torch.Tensor | None = None  # None when tied
     entries_end: torch.Tensor | None = None  # (N,), on the CPU: visibility is decided on the host
     # > 1: a read-only view in which each of the B cached contexts serves `repeats` consecutive rows

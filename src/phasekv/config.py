@@ -155,6 +155,10 @@ class CompressorOptions:
         """(W, S): tokens per window and the stride between window starts."""
         raise NotImplementedError
 
+    def selects(self) -> bool:
+        """Whether the compressor picks a subset of the entries per query (a top-k indexer)."""
+        return False
+
 
 _OPTIONS: dict[str, type[CompressorOptions]] = {}  # filled by phasekv.compression.register
 
@@ -239,6 +243,10 @@ class ModelConfig:
     uncompressed_tail: bool = False  # raw tokens = only those not yet in a complete window
     attn_sink: bool = False  # learned per-head logit in the softmax denominator
     stagger: bool = False  # beyond the paper: compressed layer c starts its windows at c * S // n_compressed
+    # beyond the paper: KV head h of a compressed layer starts its windows at h * S / KVH (with `stagger`, layer c's
+    # heads are shifted by c * S / (KVH * n_compressed) more).  Same cache bytes: a layer compresses every S / KVH
+    # tokens and keeps only the owning head's entry; the compressor's compute is KVH times the baseline's.
+    head_stagger: bool = False
     query_block: int = spec(128, low=1, high=1 << 16)  # queries per block in the compressed attention
 
     def __post_init__(self) -> None:
@@ -267,9 +275,29 @@ class ModelConfig:
         if self.stagger and self.uncompressed_tail:
             raise ValueError("model.stagger: cannot be combined with uncompressed_tail (tokens before a layer's "
                              "first window would never be compressed nor kept raw)")
+        if self.head_stagger:
+            self._check_head_stagger()
         if self.attn_sink and all(k == "full" for k in self.layer_types):
             raise ValueError("model.attn_sink: needs at least one sliding or compressed layer (full layers use "
                              "SDPA without sinks)")
+
+    def _check_head_stagger(self) -> None:
+        layers, KVH = self.compressed_layers, self.num_key_value_heads
+        if not layers or KVH < 2:
+            raise ValueError(f"model.head_stagger: needs a compressed layer and num_key_value_heads > 1 (got "
+                             f"{len(layers)} compressed layers, {KVH} KV heads)")
+        if self.uncompressed_tail:
+            raise ValueError("model.head_stagger: cannot be combined with uncompressed_tail (the heads' windows "
+                             "complete at different positions)")
+        for i in layers:
+            opts = self.options(self.layer_types[i])
+            stride, parts = opts.geometry()[1], KVH * (len(layers) if self.stagger else 1)
+            if stride % parts:
+                raise ValueError(f"model.head_stagger: stride S={stride} of layer {i} must be divisible by "
+                                 f"{parts} (KV heads{' x compressed layers with stagger' if self.stagger else ''})")
+            if opts.selects():
+                raise ValueError(f"model.head_stagger: cannot be combined with an indexer (layer {i}'s "
+                                 f"{self.layer_types[i]} selects entries per query)")
 
     def _build_compressor_options(self) -> None:
         kinds = _compressor_kinds(self.compressor, self.layer_types)
@@ -294,11 +322,14 @@ class ModelConfig:
         return [i for i, kind in enumerate(self.layer_types) if kind not in LAYER_KINDS_BUILTIN]
 
     def window_offset(self, layer: int) -> int:
-        """Position of the first window start of compressed layer `layer` (0 unless `stagger`)."""
+        """Position of the first window start of compressed layer `layer` (0 unless `stagger`; with
+        `head_stagger`, of its KV head 0, the others following every S / KVH tokens)."""
         layers = self.compressed_layers
         if not self.stagger or layer not in layers:
             return 0
         stride = self.options(self.layer_types[layer]).geometry()[1]
+        if self.head_stagger:
+            stride //= self.num_key_value_heads  # the layers interleave within one head's S / KVH step
         return layers.index(layer) * stride // len(layers)
 
     @property

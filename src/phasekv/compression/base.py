@@ -7,6 +7,11 @@ ONE key (and one value) per window per KV head.  Window `j` covers positions
 complete.  Layout in this package: hidden states are `(B, T, hidden)`, compressed entries are
 `(B, N, KVH, D)` with N the number of complete windows.
 
+With `head_stagger` (beyond the paper), KV head h starts its windows at `offset + h*S/KVH`: the
+compressor then runs on the union grid of stride S' = S/KVH (`grid_stride`, first start `grid_offset`)
+and window j of that grid belongs to ONE head, `owners(starts)`; the layer keeps only that head's
+entry, so the cache holds as many bytes as without stagger while `compress` does KVH times the work.
+
 The compressor owns everything the rest of phasekv needs to know about it: its geometry and window
 starts, its gate parameters (the optimizer's gate group, snapshots), its offset-indexed gate
 parameters (gate cycling), its payload parameters, and an optional selection step (a top-k indexer)
@@ -98,26 +103,47 @@ class Compressor(nn.Module):
         self.window, self.stride = options.geometry()
         if not 1 <= self.stride <= self.window:
             raise ValueError(f"{options.section}: stride S={self.stride} must satisfy 1 <= S <= W={self.window}")
-        self.offset = offset
+        self.offset = offset  # first window start (of KV head 0 with head stagger)
         self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.head_stagger = config.head_stagger
 
     # ---------------------------------------------------------------- geometry
+    @property
+    def grid_stride(self) -> int:
+        """Tokens between consecutive windows `compress` reads: S, or S / KVH with head stagger."""
+        return self.stride // self.num_kv_heads if self.head_stagger else self.stride
+
+    @property
+    def grid_offset(self) -> int:
+        """Position of the first window start of the grid `compress` reads (of any head)."""
+        return self.offset % self.grid_stride if self.head_stagger else self.offset
+
+    def head_offset(self, head: int) -> int:
+        """Position of KV head `head`'s first window start (`offset` for every head without head stagger)."""
+        return self.offset + head * self.grid_stride if self.head_stagger else self.offset
+
+    def owners(self, starts: torch.Tensor) -> torch.Tensor:
+        """KV head that keeps the entry of each window starting at `starts` (N,) (head stagger only): head h
+        owns the starts `head_offset(h)` mod S.  Computed from positions, so compressing in pieces agrees."""
+        return torch.div(starts - self.offset, self.grid_stride, rounding_mode="floor") % self.num_kv_heads
+
     def window_starts(self, length: int) -> torch.Tensor:
-        """Positions of the first token of every complete window in a sequence of `length` tokens."""
-        n = num_windows(max(0, length - self.offset), self.window, self.stride)
-        return self.offset + torch.arange(n) * self.stride
+        """Positions of the first token of every complete window of the grid in a sequence of `length` tokens."""
+        n = num_windows(max(0, length - self.grid_offset), self.window, self.grid_stride)
+        return self.grid_offset + torch.arange(n) * self.grid_stride
 
-    def from_first_window(self, h: torch.Tensor) -> torch.Tensor:
-        """h (B, T, hidden) of positions 0..T-1 -> its part from the first window start on."""
-        return h[:, self.offset:]
+    def from_first_window(self, h: torch.Tensor, head: int = 0) -> torch.Tensor:
+        """h (B, T, hidden) of positions 0..T-1 -> its part from KV head `head`'s first window start on."""
+        return h[:, self.head_offset(head):]
 
-    def offset_phase(self, i: int) -> int:
-        """Phase (position mod S) of the token at offset i of every window."""
-        return (self.offset + i) % self.stride
+    def offset_phase(self, i: int, head: int = 0) -> int:
+        """Phase (position mod S) of the token at offset i of every window of KV head `head`."""
+        return (self.head_offset(head) + i) % self.stride
 
     # ---------------------------------------------------------------- the computation
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h (B, T, hidden), position 0 a window start -> keys, values (B, N, KVH, D) of complete windows."""
+        """h (B, T, hidden), position 0 a window start -> keys, values (B, N, KVH, D) of the complete windows
+        every `grid_stride` tokens."""
         raise NotImplementedError
 
     def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,7 +151,8 @@ class Compressor(nn.Module):
         raise NotImplementedError
 
     def gate_weights(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """alpha per branch ("k", "v"): (B, N, W, KVH, G) with G = 1 (scalar) or D (vector); h as in compress."""
+        """alpha per branch ("k", "v"): (B, N, W, KVH, G) with G = 1 (scalar) or D (vector), over windows every S
+        tokens from position 0 of h (one head's windows: with head stagger, pass `from_first_window(h, head)`)."""
         raise NotImplementedError
 
     def select(self, x: torch.Tensor, entries: torch.Tensor) -> Selection | None:

@@ -73,6 +73,9 @@ class CSAOptions(CompressorOptions):
     def geometry(self) -> tuple[int, int]:
         return 2 * self.csa_block, self.csa_block
 
+    def selects(self) -> bool:
+        return self.index_topk > 0
+
 
 @register("deepseek_csa", CSAOptions)
 class DeepSeekCSA(_SharedMapCompressor):

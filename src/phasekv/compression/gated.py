@@ -65,7 +65,7 @@ class OffsetGatedCompressor(Compressor):
         return out
 
     def compress(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hw = windows(h, self.window, self.stride)  # (B, N, W, hidden): a strided view, no copy
+        hw = windows(h, self.window, self.grid_stride)  # (B, N, W, hidden): a strided view, no copy
         if hw.shape[1] <= COMPRESS_CHUNK:
             return self._compress_windows(hw, h.dtype)
         parts = [self._compress_windows(hw[:, a:a + COMPRESS_CHUNK], h.dtype)
@@ -96,7 +96,7 @@ class OffsetGatedCompressor(Compressor):
 
     def compress_reference(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = h.shape
-        W, S, KVH, D, G = self.window, self.stride, self.num_kv_heads, self.head_dim, self.gate_dim
+        W, S, KVH, D, G = self.window, self.grid_stride, self.num_kv_heads, self.head_dim, self.gate_dim
         n = num_windows(T, W, S)
         out = {}
         for branch in self.branches:

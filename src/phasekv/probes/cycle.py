@@ -52,6 +52,8 @@ def cycle_stride(model: nn.Module | Adapter) -> int:
     strides = set()
     for i, attn in layers:
         c = attn.compressor
+        if c.head_stagger:
+            raise ValueError(f"gate cycling: layer {i} staggers its KV heads (each head has its own boundary phase)")
         if c.window != c.stride:
             raise ValueError(f"gate cycling: needs W = S, but layer {i} has W={c.window}, S={c.stride}")
         strides.add(c.stride)

@@ -58,8 +58,20 @@ def _batches(prompt_ids: torch.Tensor | list[torch.Tensor], batch_size: int) -> 
     return out
 
 
+def _head_gates(c: nn.Module, x: torch.Tensor):
+    """(kv_head, branch, alpha (B, N, W, G)) of every gate on the head's real windows of the layer input x
+    (B, T, hidden): from the head's first window start (staggered layers and heads start later)."""
+    by_start = {}
+    for h in range(c.num_kv_heads):
+        start = c.head_offset(h)
+        if start not in by_start:
+            by_start[start] = c.gate_weights(c.from_first_window(x, h))  # (B, N, W, KVH, G) per branch
+        for branch, alpha in by_start[start].items():
+            yield h, branch, alpha[:, :, :, h]
+
+
 def _gate_kind(compressor: nn.Module, alpha: torch.Tensor) -> str:
-    """alpha (B, N, W, KVH, G): uniform (no gate parameters), vector (G > 1) or scalar gates."""
+    """alpha (B, N, W, [KVH,] G): uniform (no gate parameters), vector (G > 1) or scalar gates."""
     if not compressor.gate_parameters():
         return "uniform"
     return "vector" if alpha.shape[-1] > 1 else "scalar"
@@ -84,13 +96,9 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
             with attention_inputs(model) as inputs:
                 model(ids.to(device))
             for i, attn in layers:
-                c = attn.compressor
-                # the layer's real windows: from its first window start (staggered layers start later)
-                for branch, alpha in c.gate_weights(c.from_first_window(inputs[i][0])).items():  # (B, N, W, KVH, G)
-                    kinds[(i, branch)] = _gate_kind(c, alpha)
-                    for h in range(alpha.shape[3]):
-                        windows = alpha[:, :, :, h].flatten(0, 1)  # (B*N, W, G)
-                        stats.setdefault((i, h, branch), Accumulator()).add(windows)
+                for h, branch, alpha in _head_gates(attn.compressor, inputs[i][0]):  # alpha (B, N, W, G)
+                    kinds[(i, branch)] = _gate_kind(attn.compressor, alpha)
+                    stats.setdefault((i, h, branch), Accumulator()).add(alpha.flatten(0, 1))  # (B*N, W, G)
     finally:
         model.train(was_training)
     compressors = dict(layers)
@@ -102,7 +110,8 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
         static, per_window = acc.concentration()
         gates.append({"layer": i, "kv_head": h, "branch": branch, "kind": kinds[(i, branch)],
                       "window": c.window, "stride": c.stride, "tied": bool(c.tied), "n_windows": acc.n,
-                      "first_window_start": c.offset, "offset_phases": [c.offset_phase(j) for j in range(c.window)],
+                      "first_window_start": c.head_offset(h),
+                      "offset_phases": [c.offset_phase(j, h) for j in range(c.window)],
                       "static": static, "per_window": per_window, "profile": acc.profile()})
     return gates
 

@@ -202,7 +202,9 @@ def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 # beyond the paper: phase-robust variants and the baseline each one fixes (same heads, layers, training budget)
 FIXES = {"w9s8-4kv": "w8s8-4kv",  # windows overlapping by one token, one entry per 8 tokens as W8/S8
-         "w8s8-4kv-jitter": "w8s8-4kv"}  # the W8/S8 grid shifted by a random 0..7 per training step
+         "w8s8-4kv-jitter": "w8s8-4kv",  # the W8/S8 grid shifted by a random 0..7 per training step
+         "w8s8-4kv-headstagger": "w8s8-4kv",  # KV head h starts its windows at 2h (model.head_stagger)
+         "w8s8-4kv-headstagger-layer": "w8s8-4kv"}  # and layer 1's heads one token later (with model.stagger)
 BYTES_TOLERANCE = 0.05  # "equal cache bytes": within 5%
 
 
