@@ -43,6 +43,7 @@ def _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, sink, tail, block,
     calls = []
     if monkeypatch is not None:
         monkeypatch.setattr(attention, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
+        monkeypatch.setattr(attention, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
     q = q.clone().requires_grad_(path == "blocks")
     fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail, block=block).detach()
     if monkeypatch is not None:
@@ -112,6 +113,7 @@ def test_chunked_prefill_equals_one_forward_and_continues_the_cache(kwargs, monk
     ids = torch.randint(0, 64, (2, 45))
     expect = model(ids).detach()  # autograd on: one call per layer
     monkeypatch.setattr(attention, "PREFILL_CHUNK", 7)
+    monkeypatch.setattr(attention, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
     calls = []
     chunked = attention.Attention._chunked_prefill
     monkeypatch.setattr(attention.Attention, "_chunked_prefill", lambda *a: calls.append(1) or chunked(*a))
