@@ -225,7 +225,7 @@ def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torc
 
 @dataclass
 class Part:
-    """One flash-attention part of `attention_by_parts` for the chunk's queries lo..hi-1: output o
+    """One flash-attention part of `attention_by_parts` for the call's queries lo..hi-1: output o
     (B, KVH, G, hi-lo, D), or (B, KVH, G, rows, stride, D) for whole rows, and log-sum-exp lse (B, KVH, G, hi-lo)."""
 
     lo: int
@@ -236,9 +236,9 @@ class Part:
 
 def _entries_by_rows(q: torch.Tensor, lo: int, t0: int, e0: int, stride: int, ek: torch.Tensor,
                      ev: torch.Tensor) -> Iterator[Part]:
-    """Attention of a chunk's queries q (B, KVH, G, n, D) at positions t0 - lo .. over the entries they may
+    """Attention of the call's queries q (B, KVH, G, n, D) at positions t0 - lo .. over the entries they may
     read (queries before lo read none; t0 >= e0), entry j ending at e0 + j * stride: the query at t reads
-    entries 0..m with m = (t - e0) // stride, its ROW.  With m1 the first whole row of the chunk:
+    entries 0..m with m = (t - e0) // stride, its ROW.  With m1 the first whole row of the call:
       - entries 0..m1-1 are read by every query from lo on: one unmasked call;
       - whole rows m1 .. m1+rows-1 read entries m1 .. their row: laid out (stride residues x rows) as a
         strided view, the query of row m1 + r reads entries m1 .. m1 + r, a square causal attention per
@@ -246,7 +246,7 @@ def _entries_by_rows(q: torch.Tensor, lo: int, t0: int, e0: int, stride: int, ek
       - the last, partial row reads entries m1 .. m1+rows: one unmasked call on a few queries."""
     B, KVH, G, n, D = q.shape
     m0, off = divmod(t0 - e0, stride)
-    first = min(lo + (stride - off) % stride, n)  # the chunk's first query that starts a row (n: none does)
+    first = min(lo + (stride - off) % stride, n)  # the first query that starts a row (n: none does)
     m1, rows = m0 + (first > lo), (n - first) // stride
     last = first + rows * stride
     if m1:
