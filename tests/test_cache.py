@@ -101,3 +101,59 @@ def test_head_stagger_keeps_the_cache_bytes_per_token(stagger):
         entries[name] = [lc.entries_k.shape for lc in cache.layers]
     assert all(shape[1] == 1 for shape in entries["heads"])  # one KV head per stored entry
     assert sizes["heads"] / sizes["base"] == pytest.approx(1, abs=BYTES_TOLERANCE)
+
+
+SHARED_CASES = {**CASES, "sliding-sink": dict(layer_types=["sliding", "full"], attn_sink=True),
+                "gated-w8s4-sink-local3": dict(compressor="gated", window=8, stride=4, attn_sink=True, local_window=3)}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_CASES))
+@pytest.mark.parametrize("prefix, steps", [(20, 1), (21, 3), (17, 9)])
+def test_shared_step_equals_a_repeated_copy_and_reads_the_cache_in_place(name, prefix, steps, monkeypatch):
+    """Every layer kind and compressor option: query rows continuing a shared cache (the multi-query evaluation's
+    step) give the logits of the same rows continued from a repeated copy, for continuations that do and do not
+    complete windows; the in-place path (`Attention._shared_step`) runs exactly where `_reads_shared` allows it."""
+    from phasekv.attention import Attention
+
+    torch.manual_seed(0)
+    model = build_model(tiny(**SHARED_CASES[name])).eval()
+    ids = torch.randint(0, 64, (2, prefix + steps))
+    calls = []
+    original = Attention._shared_step
+    monkeypatch.setattr(Attention, "_shared_step", lambda self, *a: calls.append(self.kind) or original(self, *a))
+    with torch.no_grad():
+        cache = KVCache()
+        model(ids[:, :prefix], cache=cache)
+        queries = torch.randint(0, 64, (6, steps))  # three different continuations per context
+        fast = model(queries, cache=cache.shared(3))
+        n_fast = len(calls)
+        slow = model(queries, cache=cache.repeat_interleave(3))
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    layers = [layer.self_attn for layer in model.model.layers]
+    shared = [a.kind == "full" or a.tail is None and (a.compressor is None or not (
+        a.compressor.head_stagger or a.compressor.selects)) for a in layers]
+    assert n_fast == sum(shared) and len(calls) == n_fast  # the repeated copy never takes the shared path
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_CASES))
+def test_prefill_fills_the_cache_a_forward_fills(name):
+    """`prefill` (no logits, the last layer's keys/values/entries only) leaves the cache a forward leaves,
+    tensor for tensor, on a cold and on a warm cache."""
+    torch.manual_seed(0)
+    model = build_model(tiny(**SHARED_CASES[name])).eval()
+    ids = torch.randint(0, 64, (2, 30))
+    with torch.no_grad():
+        by_forward, by_prefill = KVCache(), KVCache()
+        for a, b in ((0, 19), (19, 30)):
+            model(ids[:, a:b], cache=by_forward)
+            assert model.prefill(ids[:, a:b], by_prefill) is None
+            assert by_prefill.length == by_forward.length == b
+            for lf, lp in zip(by_forward.layers, by_prefill.layers, strict=True):
+                for f in lf.__dataclass_fields__:
+                    x, y = getattr(lf, f), getattr(lp, f)
+                    if isinstance(x, torch.Tensor):
+                        torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-6, msg=f"{name}: {f}")
+                    else:
+                        assert x == y, f
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.prefill(torch.zeros(1, 600, dtype=torch.long), KVCache())

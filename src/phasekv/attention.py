@@ -171,6 +171,9 @@ PREFILL_CHUNK = 4096  # positions per chunk of a sliding/compressed layer's forw
 # `attention_by_parts` from this many (query, entry) pairs on: below it the per-block path is faster (measured, one
 # thread, W8/S8, 8 heads: parts/blocks 1.5x at T = 152 x 32 rows, 1.2x at T = 4096, 1.06x at 8192; 0.9x at 16384)
 PARTS_MIN_PAIRS = 1 << 24
+# `attention_over_shared`: up to this many (query token, own key) pairs per row the own part is computed by
+# products (measured 0.45 ms against 1.0 ms for batched matmuls at 384 rows of one token, 8 heads, one thread)
+OWN_ELEMENTWISE = 32
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -302,6 +305,44 @@ def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     return out
 
 
+def attention_over_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, shared_ok: torch.Tensor,
+                          own_k: torch.Tensor, own_v: torch.Tensor, own_ok: torch.Tensor,
+                          sink: torch.Tensor | None) -> torch.Tensor:
+    """Attention of query rows that continue a shared, read-only cache (`KVCache.shared`): the R = C * n rows
+    b*n .. b*n+n-1 continue cached context b.  q (R, KVH, G, T, D); shared_k, shared_v (C, KVH, M, D) what the
+    contexts hold (raw window and entries, or a full layer's keys), shared_ok (T, M): query token i may read
+    cached key j; own_k, own_v (R, KVH, M2, D) each row's own keys (its tokens, then the entries of windows its
+    tokens complete), own_ok (T, M2).  Two parts merged by their log-sum-exps: the cached keys in ONE flash call
+    per context with its n rows' queries folded into the query dimension (the cache is read in place, never
+    repeated per row), the rows' own keys by a small batched matmul; the sink (logit sink[h], value zero)
+    rescales the result.  Returns (R, KVH, G, T, D)."""
+    R, KVH, G, T, D = q.shape
+    C = shared_k.shape[0]
+    n = R // C
+    minus_inf = q.new_full((), float("-inf"))
+    folded = q.view(C, n, KVH, G, T, D).permute(0, 2, 3, 1, 4, 5).reshape(C, KVH, G, n * T, D)
+    mask = torch.where(shared_ok, q.new_zeros(()), minus_inf).repeat(n, 1)  # (n*T, M)
+    o_s, lse_s = _flash(folded, shared_k, shared_v, mask=mask[None, None])
+    lse_s = lse_s.masked_fill(~shared_ok.any(-1).repeat(n), float("-inf"))  # a row reading no cached key
+    o_s = o_s.view(C, KVH, G, n, T, D).permute(0, 3, 1, 2, 4, 5).reshape(R, KVH, G, T, D)
+    lse_s = lse_s.view(C, KVH, G, n, T).permute(0, 3, 1, 2, 4).reshape(R, KVH, G, T)
+    M2 = own_k.shape[2]
+    few = T * M2 <= OWN_ELEMENTWISE  # a query step of one token: products, not R * KVH tiny matmuls
+    scores = (q[..., None, :] * own_k[:, :, None, None]).sum(-1) if few else torch.matmul(
+        q.reshape(R, KVH, G * T, D), own_k.transpose(-1, -2)).view(R, KVH, G, T, M2)
+    scores = scores.mul_(D ** -0.5).masked_fill_(~own_ok, float("-inf"))
+    lse_o = scores.logsumexp(-1)  # every row reads at least its own token
+    p = scores.sub_(lse_o[..., None]).exp_()
+    o_o = (p[..., None] * own_v[:, :, None, None]).sum(-2) if few else torch.matmul(
+        p.view(R, KVH, G * T, M2), own_v).view(R, KVH, G, T, D)
+    joint = torch.logaddexp(lse_s, lse_o)
+    out = o_s.mul_((lse_s - joint).exp()[..., None]).addcmul_(o_o, (lse_o - joint).exp()[..., None])
+    if sink is not None:
+        with_sink = torch.logaddexp(joint, sink.to(q.dtype).view(1, KVH, G, 1))
+        out.mul_((joint - with_sink).exp()[..., None])
+    return out
+
+
 def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
     """Per-query loop over explicitly listed visible keys: the oracle for `windowed_attention`."""
     B, KVH, G, Tq, D = q.shape
@@ -396,6 +437,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if cache is not None and cache.repeats > 1:
+            if self._reads_shared(cache, x, start):
+                return self._shared_step(x, cache, start)
             cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
         if self.kind != "full" and T > PREFILL_CHUNK and not torch.is_grad_enabled():
             return self._chunked_prefill(x, cache, start)
@@ -406,6 +449,57 @@ class Attention(nn.Module):
         else:  # keys and values are made inside: the layer holds them only until they are concatenated
             out = self._windowed(x, q, pos, cache, start)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
+    def _reads_shared(self, cache: LayerCache, x: torch.Tensor, start: int) -> bool:
+        """A shared cache (`KVCache.shared`) is read in place by `_shared_step` (no per-row copy) without autograd,
+        on the CPU (torch's flash kernel with log-sum-exp) and when every cached key's visibility depends on the
+        query position only; an indexer's selection, head-staggered owners and the uncompressed tail take the
+        expanded copy."""
+        if torch.is_grad_enabled() or start == 0 or x.device.type not in ("cpu", "meta"):
+            return False
+        if self.kind == "full":
+            return cache.k is not None
+        c = self.compressor
+        return self.tail is None and (c is None or not (c.head_stagger or c.selects))
+
+    def _shared_step(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
+        """Rows x (C * n, T, hidden) continuing the C contexts of a shared cache (n rows each, context-major):
+        `attention_over_shared` over the cache read in place plus each row's own tokens and the entries of the
+        windows they complete.  The cache is not written (the next forward starts from the same contexts)."""
+        R, T, _ = x.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        pos = torch.arange(start, start + T, device=x.device)
+        q = self._heads(x, self.q_proj, "q_norm", pos).reshape(R, KVH, H // KVH, T, D)
+        k, v = self._keys_values(x, pos)  # (R, KVH, T, D)
+        own_ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - (
+            start + T if self.kind == "full" else self.local))  # (T, T)
+        if self.kind == "full":
+            shared_k, shared_v = cache.k, cache.v
+            shared_ok = pos.new_ones(T, shared_k.shape[2], dtype=torch.bool)
+        else:
+            shared_k, shared_v = cache.raw_k, cache.raw_v
+            shared_ok = (cache.raw_pos[None, :] >= 0) & (cache.raw_pos[None, :] > pos[:, None] - self.local)
+            if cache.entries_k is not None:  # complete windows of the context: every query reads them
+                shared_k = torch.cat([shared_k, cache.entries_k], dim=2)
+                shared_v = torch.cat([shared_v, cache.values()], dim=2)
+                shared_ok = torch.cat([shared_ok, shared_ok.new_ones(T, cache.entries_k.shape[2])], dim=1)
+            if self.compressor is not None:
+                k, v, own_ok = self._own_entries(x, cache, start, k, v, own_ok)
+        out = attention_over_shared(q, shared_k, shared_v, shared_ok, k, v, own_ok, self.sink)
+        return self.o_proj(out.reshape(R, H, T, D).transpose(1, 2).reshape(R, T, H * D))
+
+    def _own_entries(self, x, cache, start, k, v, own_ok):
+        """`_shared_step`'s own keys extended by the entries of the windows the rows' tokens complete (per row:
+        the cached partial window, shared, followed by the row's tokens), visible from their window's end on."""
+        c, n, P = self.compressor, cache.repeats, cache.pending_h.shape[1]
+        first = max(0, cache.pending_start - (start - P))  # the pending part from a window start
+        if num_windows(P - first + x.shape[1], c.window, c.grid_stride) == 0:
+            return k, v, own_ok
+        h = torch.cat([cache.pending_h[:, first:].repeat_interleave(n, dim=0), x[:, max(0, first - P):]], dim=1)
+        ek, ev, ends = self.compressed_entries(h, cache.pending_start)
+        q_pos = torch.arange(start, start + x.shape[1], device=ends.device)
+        seen = (ends.to(own_ok.device)[None, :] <= q_pos.to(own_ok.device)[:, None])
+        return torch.cat([k, ek], dim=2), torch.cat([v, ev], dim=2), torch.cat([own_ok, seen], dim=1)
 
     def _chunked_prefill(self, x: torch.Tensor, cache: LayerCache | None, start: int) -> torch.Tensor:
         """A sliding or compressed layer's long forward without autograd, PREFILL_CHUNK positions at a time
@@ -460,13 +554,22 @@ class Attention(nn.Module):
         c = self.compressor
         return c.owners(ends - c.window + 1) if c.head_stagger and ends is not None else None
 
-    def _windowed(self, x, q, pos, cache, start):
+    def fill_cache(self, x: torch.Tensor, cache: LayerCache, start: int) -> None:
+        """Extend `cache` with x (B, T, hidden) at positions start.. exactly as `forward` would, computing only
+        what the cache holds (keys, values, entries): no queries, attention, output projection or selection."""
+        pos = torch.arange(start, start + x.shape[1], device=x.device)
+        if self.kind == "full":
+            cache.append_full(*self._keys_values(x, pos))
+        else:
+            self._extend(x, pos, cache, start, select=False)
+            cache.compact()
+
+    def _extend(self, x, pos, cache, start, select=True):
+        """Append x's tokens to a windowed cache: the raw window slides on, complete windows become entries.
+        Returns the raw keys and values the queries read (B, KVH, L-1+T, D), their positions and the visible
+        entries (with the compressor's selection when `select`)."""
         k, v = self._keys_values(x, pos)
-        B, KVH, T, D = k.shape
-        L = self.local
-        keep = cache is not None
-        if not keep:
-            cache = self.new_cache(B, x.dtype, x.device)
+        T = k.shape[2]
         k_all = torch.cat([cache.raw_k, k], dim=2)  # (B, KVH, L-1+T, D)
         v_all = torch.cat([cache.raw_v, v], dim=2)
         del k, v  # the concatenated copies hold them
@@ -482,13 +585,22 @@ class Attention(nn.Module):
             cache.pending_h, cache.pending_start = h[:, consumed:], cache.pending_start + consumed
             vis = Visible(cache.entries_k, cache.values(), cache.entries_end,
                           entries_owner=self.entry_owners(cache.entries_end))
-            if vis.entries_k is not None:
+            if select and vis.entries_k is not None:
                 vis.selection = self.compressor.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
         cache.raw_k, cache.raw_v, cache.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]
+        return k_all, v_all, k_pos, vis
+
+    def _windowed(self, x, q, pos, cache, start):
+        B, _, T, D = q.shape
+        keep = cache is not None
+        if not keep:
+            cache = self.new_cache(B, x.dtype, x.device)
+        k_all, v_all, k_pos, vis = self._extend(x, pos, cache, start)
         if keep:
             cache.compact()
-        G = self.num_heads // KVH
-        qg = q.view(B, KVH, G, T, D)  # (B, KVH, G, T, D)
+        KVH = self.num_kv_heads
+        qg = q.view(B, KVH, self.num_heads // KVH, T, D)  # (B, KVH, G, T, D)
         q_pos = torch.arange(start, start + T)  # the host copy of pos
-        out = windowed_attention(qg, q_pos, k_all, v_all, k_pos, L, vis, self.sink, self.tail, self.query_block)
+        out = windowed_attention(qg, q_pos, k_all, v_all, k_pos, self.local, vis, self.sink, self.tail,
+                                 self.query_block)
         return out.reshape(B, self.num_heads, T, D)

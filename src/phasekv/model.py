@@ -52,7 +52,9 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, fill_only: bool = False) -> torch.Tensor:
+        """`fill_only`: extend the cache and return nothing: the last layer computes its keys, values and entries
+        only (its attention output and MLP feed nothing but the logits)."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         x = self.embed_tokens(input_ids)  # (B, T, hidden)
@@ -61,10 +63,13 @@ class Qwen3Model(nn.Module):
             lc = None
             if cache is not None:
                 lc = cache.layer(i, n, lambda a=layer.self_attn, d=x.dtype, dev=x.device: a.new_cache(B, d, dev))
-            x = layer(x, lc, start)
+            if fill_only and i == n - 1:
+                layer.self_attn.fill_cache(layer.input_layernorm(x), lc, start)
+            else:
+                x = layer(x, lc, start)
         if cache is not None:
             cache.length = start + T
-        return self.norm(x)
+        return None if fill_only else self.norm(x)
 
 
 class PhaseKVForCausalLM(nn.Module):
@@ -88,6 +93,12 @@ class PhaseKVForCausalLM(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache()
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache) -> None:
+        """Extend `cache` with input_ids (B, T) as `forward` would, without computing what only the logits
+        need (the last layer's attention output and MLP, the final norm, the LM head)."""
+        check_input(self.config, input_ids, cache.length)
+        self.model(input_ids, cache, fill_only=True)
 
 
 def check_input(config: ModelConfig, input_ids: torch.Tensor, start: int) -> None:

@@ -106,6 +106,7 @@ class Compressor(nn.Module):
         self.offset = offset  # first window start (of KV head 0 with head stagger)
         self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.head_stagger = config.head_stagger
+        self.selects = options.selects()  # picks entries per query (an indexer's top-k)
 
     # ---------------------------------------------------------------- geometry
     @property

@@ -88,7 +88,7 @@ class PhaseKVAdapter(Adapter):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> KVCache:
         cache = KVCache()
-        self.module(ids.to(self.device), cache=cache)
+        self.module.prefill(ids.to(self.device), cache)  # the cache only: no logits of the context
         return cache
 
     @torch.no_grad()
