@@ -4,8 +4,9 @@ full-attention layer of the same width, the attention core alone, and whole-mode
 Each measurement runs in a fresh subprocess so peak RSS is its own.  Prints a table and, last,
 `core_ratio@16384=A time_ratio@16384=B time_ratio@65536=C memory_ratio@16384=D cache_ratio@16384=E`
 (compressed / full).  The core ratio times `windowed_attention` against causal SDPA on the same q, k, v
-(B=1, H=8, KVH=2, D=64); the long length is timed (best of 2), without memory or cache measurements, at a
-quarter of the width (2 query heads, 1 KV head, hidden 128) so that the whole run takes about two minutes.
+(B=1, H=8, KVH=2, D=64), the two alternating, best of max(5, --repeats) each; the long length is timed
+(best of 2), without memory or cache measurements, at a quarter of the width (2 query heads, 1 KV head,
+hidden 128) so that the whole run takes about three minutes.
 
     .venv/bin/python benchmarks/attention_scaling.py [--lengths 1024 4096 16384] [--long 65536] [--repeats 3]
                                                      [--threads N]
@@ -83,11 +84,13 @@ def measure_core(T: int, repeats: int) -> dict:
     v_all = torch.cat([v.new_zeros(1, KVH, L - 1, D), v], dim=2)
     k_pos = torch.cat([torch.full((L - 1,), -1), torch.arange(T)])
     qg = q.view(1, KVH, H // KVH, T, D)  # (1, KVH, G, T, D)
-    with torch.no_grad():
-        full = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), repeats)
-        core = _best(lambda: windowed_attention(qg, torch.arange(T), k_all, v_all, k_pos, L, vis, None, None, 128),
-                     repeats)
-    return {"full_s": full, "compressed_s": core}
+    full, core = [], []
+    with torch.no_grad():  # alternating, so that a drift of the machine's speed hits both alike
+        for _ in range(repeats):
+            full.append(_best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 1))
+            core.append(_best(lambda: windowed_attention(qg, torch.arange(T), k_all, v_all, k_pos, L, vis, None,
+                                                         None, 128), 1))
+    return {"full_s": min(full), "compressed_s": min(core)}
 
 
 # glibc serves every allocation of 128 KiB or more by mmap and returns it on free, so peak RSS is the peak of
@@ -129,7 +132,7 @@ def main() -> None:
     if args.long:
         rows.update({(kind, args.long): _child(args.threads, kind, str(args.long), "2", "long")
                      for kind in ("full", "compressed")})
-    core = _child(args.threads, "core", str(T), str(args.repeats), "plain")
+    core = _child(args.threads, "core", str(T), str(max(args.repeats, 5)), "plain")
     print(f"{'T':>6} {'kind':>10} {'time ms':>9} {'peak MiB':>9} {'cache B/tok':>11}")
     for (kind, n), r in rows.items():
         print(f"{n:>6} {kind:>10} {r['time_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**20:9.1f} "

@@ -72,11 +72,14 @@ def test_tail_start():
     assert tail_start(t, 8, 4)[[6, 7, 10, 11, 19]].tolist() == [0, 8, 8, 12, 20]
 
 
-@pytest.mark.parametrize("start, T", [(0, 11), (5, 4), (9, 1), (9, 11), (13, 11), (30, 11)])
+@pytest.mark.parametrize("start, T", [(0, 11), (5, 4), (9, 1), (9, 11), (13, 11), (30, 11), (2, 37)])
 @pytest.mark.parametrize("sink", [False, True])
-def test_attention_by_parts_for_queries_after_a_prefix(start, T, sink):
+@pytest.mark.parametrize("entry_rows", [1, 2, 128])
+def test_attention_by_parts_for_queries_after_a_prefix(start, T, sink, entry_rows, monkeypatch):
     """Cached continuation: queries start..start+T-1 (rows cut anywhere), with every complete window's entry in
-    the cache as the layer keeps it (one entry in the first two cases)."""
+    the cache as the layer keeps it (one entry in the first two cases); entry rows in blocks of 1, 2 (several
+    blocks, a partial last one) or 128."""
+    monkeypatch.setattr(attention, "ENTRY_ROWS", entry_rows)
     torch.manual_seed(0)
     B, KVH, G, D, L, W, S = 2, 2, 3, 8, 4, 8, 4
     n_entries = (start + T - 1 - (W - 1)) // S + 1

@@ -17,8 +17,9 @@ Two fast paths, both tested against `windowed_attention_reference` (the per-quer
   - with autograd (training) or an indexer's selection: queries in blocks, one fused SDPA call per block
     over the block's raw tokens and the entries it may see (`windowed_attention`);
   - without autograd, entries on one grid (inference, evaluation, prefill): `attention_by_parts`, flash-
-    attention parts merged by their log-sum-exps, the entry part as ONE causal attention per window-stride
-    residue, so its cost is the full-attention kernel's per score times the work ratio.  A long prefill
+    attention parts merged by their log-sum-exps, the entry part per block of 128 entry rows as one unmasked
+    call and one small masked diagonal, so its cost is close to the full-attention kernel's per score times
+    the work ratio.  A long prefill
     runs through the layer's cache in chunks of PREFILL_CHUNK positions (`Attention._chunked_prefill`):
     its peak memory is chunk-sized.
 The training forward is cached inference that starts from an empty cache.
@@ -174,6 +175,12 @@ PARTS_MIN_PAIRS = 1 << 24
 # `attention_over_shared`: up to this many (query token, own key) pairs per row the own part is computed by
 # products (measured 0.45 ms against 1.0 ms for batched matmuls at 384 rows of one token, 8 heads, one thread)
 OWN_ELEMENTWISE = 32
+# `_entries_by_rows`: entry rows per block of queries (measured at T = 16384, W8/S8: 64 rows 467 ms, 128 rows 445 ms,
+# against 478 ms for one causal call per window-stride residue, best of 8 interleaved runs)
+ENTRY_ROWS = 128
+# `attention_by_parts`: queries per raw-window call (each reads BAND_BLOCK + local - 1 keys, local of them its own;
+# measured at T = 16384, local 16: blocks of 32 67-79 ms, 64 75-83 ms, 128 90-93 ms)
+BAND_BLOCK = 32
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -229,7 +236,7 @@ def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torc
 @dataclass
 class Part:
     """One flash-attention part of `attention_by_parts` for the call's queries lo..hi-1: output o
-    (B, KVH, G, hi-lo, D), or (B, KVH, G, rows, stride, D) for whole rows, and log-sum-exp lse (B, KVH, G, hi-lo)."""
+    (B, KVH, G, hi-lo, D) and log-sum-exp lse (B, KVH, G, hi-lo)."""
 
     lo: int
     hi: int
@@ -241,39 +248,34 @@ def _entries_by_rows(q: torch.Tensor, lo: int, t0: int, e0: int, stride: int, ek
                      ev: torch.Tensor) -> Iterator[Part]:
     """Attention of the call's queries q (B, KVH, G, n, D) at positions t0 - lo .. over the entries they may
     read (queries before lo read none; t0 >= e0), entry j ending at e0 + j * stride: the query at t reads
-    entries 0..m with m = (t - e0) // stride, its ROW.  With m1 the first whole row of the call:
-      - entries 0..m1-1 are read by every query from lo on: one unmasked call;
-      - whole rows m1 .. m1+rows-1 read entries m1 .. their row: laid out (stride residues x rows) as a
-        strided view, the query of row m1 + r reads entries m1 .. m1 + r, a square causal attention per
-        residue (one call, residues in the kernel's head dimension, no copy of the queries);
-      - the last, partial row reads entries m1 .. m1+rows: one unmasked call on a few queries."""
+    entries 0..m with m = (t - e0) // stride, its ROW.  Per block of ENTRY_ROWS rows (ENTRY_ROWS * stride
+    consecutive queries) two flash calls: the entries of earlier rows, read by every query of the block, in one
+    unmasked call; the block's own rows' entries under a mask that is the same for every block (the blocks are
+    whole multiples of the stride), so the only masked (wasted) work is this small diagonal."""
     B, KVH, G, n, D = q.shape
-    m0, off = divmod(t0 - e0, stride)
-    first = min(lo + (stride - off) % stride, n)  # the first query that starts a row (n: none does)
-    m1, rows = m0 + (first > lo), (n - first) // stride
-    last = first + rows * stride
-    if m1:
-        yield Part(lo, n, *_flash(q[:, :, :, lo:], ek[:, :, :m1], ev[:, :, :m1]))
-    if rows:
-        by_residue = q[:, :, :, first:last].reshape(B, KVH, G, rows, stride, D).transpose(3, 4)
-        keys, vals = (t[:, :, m1:m1 + rows].reshape(B * KVH, 1, 1, rows, D).expand(B * KVH, G, 1, rows, D)
-                      .reshape(B * KVH * G, 1, rows, D).expand(B * KVH * G, stride, rows, D) for t in (ek, ev))
-        o, lse = _FLASH_LSE(by_residue.reshape(B * KVH * G, stride, rows, D), keys, vals, 0.0, True)
-        lse = lse.view(B, KVH, G, stride, rows).transpose(3, 4).reshape(B, KVH, G, rows * stride)
-        yield Part(first, last, o.view(B, KVH, G, stride, rows, D).transpose(3, 4), lse)
-    if last < n:
-        yield Part(last, n, *_flash(q[:, :, :, last:], ek[:, :, m1:m1 + rows + 1], ev[:, :, m1:m1 + rows + 1]))
+    span = min(ENTRY_ROWS, -(-(n - lo) // stride)) * stride  # no larger than the call's queries need
+    off = (t0 - e0) % stride  # position of query lo within its row
+    row = torch.arange(span) + off  # (span,) the block's queries' rows, relative to the block's first row
+    cols = (span + off - 1) // stride + 1  # rows a block touches
+    diagonal = torch.where(row[:, None] // stride >= torch.arange(cols)[None, :], 0.0, float("-inf"))
+    diagonal = diagonal.to(q.dtype).to(q.device)
+    for a in range(lo, n, span):
+        b = min(a + span, n)
+        m_a = (t0 + a - lo - e0) // stride  # the block's first row
+        m_b = (t0 + b - 1 - lo - e0) // stride + 1  # one past its last
+        mask = diagonal if b - a == span else diagonal[:b - a, :m_b - m_a].contiguous()
+        yield Part(a, b, *_flash(q[:, :, :, a:b], ek[:, :, m_a:m_b], ev[:, :, m_a:m_b], mask=mask[None, None]))
+        if m_a:
+            yield Part(a, b, *_flash(q[:, :, :, a:b], ek[:, :, :m_a], ev[:, :, :m_a]))
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: Part) -> None:
     """Online softmax: out (B, KVH, G, n, D) and its log-sum-exp lse (B, KVH, G, n) become, in place, the
     attention over their keys and the part's together (each side weighted by exp(its lse - the joint one))."""
-    o, lo, hi = part.o, part.lo, part.hi
+    lo, hi = part.lo, part.hi
     joint = torch.logaddexp(lse[..., lo:hi], part.lse)
-    target, keep, w = out[:, :, :, lo:hi], (lse[..., lo:hi] - joint).exp(), (part.lse - joint).exp()
-    if o.dim() == 6:  # whole rows (B, KVH, G, rows, stride, D)
-        target, keep, w = target.view(o.shape), keep.view(o.shape[:-1]), w.view(o.shape[:-1])
-    target.mul_(keep[..., None]).addcmul_(o, w[..., None])
+    keep, w = (lse[..., lo:hi] - joint).exp(), (part.lse - joint).exp()
+    out[:, :, :, lo:hi].mul_(keep[..., None]).addcmul_(part.o, w[..., None])
     lse[..., lo:hi] = joint
 
 
@@ -283,9 +285,9 @@ def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     """`windowed_attention` without autograd for entries on a regular grid and no selection (`regular_entries`):
     the softmax over (raw local window | entries | sink) computed as separate flash-attention parts merged by
     their log-sum-exps (`_merge_into`, an online softmax): the raw window per block of queries (`_band`), the
-    entries every query reads in one unmasked call, the rest as a causal attention per window-stride residue
-    (`_entries_by_rows`), so entry attention runs in torch's causal kernel at the full-attention kernel's speed
-    per score; the sink rescales the result.  q_pos must be consecutive positions.  A long prefill comes in
+    entries per block of rows (`_entries_by_rows`: earlier rows unmasked, the block's own rows under one
+    shared mask), so entry attention runs in torch's flash kernel at nearly its full-attention speed per
+    score; the sink rescales the result.  q_pos must be consecutive positions.  A long prefill comes in
     chunks (`Attention.forward`), so the temporaries (one part's output at a time) stay chunk-sized."""
     B, KVH, G, Tq, D = q.shape
     out = torch.empty(B, Tq, KVH * G, D, dtype=q.dtype, device=q.device).transpose(1, 2).view(B, KVH, G, Tq, D)
@@ -293,7 +295,7 @@ def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     e0 = int(vis.entries_end[0]) if n_total else 0
     # one entry: every query of this call is in row 0 (reads entry 0 only)
     stride = int(vis.entries_end[1] - vis.entries_end[0]) if n_total > 1 else int(q_pos[-1]) + 1
-    band_lse = _band(q, q_pos.to(k_pos.device), k_all, v_all, k_pos, local, tail, block, out)
+    band_lse = _band(q, q_pos.to(k_pos.device), k_all, v_all, k_pos, local, tail, min(block, BAND_BLOCK), out)
     t0 = max(int(q_pos[0]), e0)  # the first query that reads an entry
     if n_total and t0 <= int(q_pos[-1]):
         for part in _entries_by_rows(q, t0 - int(q_pos[0]), t0, e0, stride, vis.entries_k, vis.entries_v):
