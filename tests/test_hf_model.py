@@ -44,6 +44,28 @@ def test_bundled_checkpoints_load_through_auto_classes_with_phasekv_logits():
             assert (model(ids).logits - reference(ids)).abs().max().item() <= 1e-6, path.name
 
 
+def test_transformers_family_checkpoints_load_as_their_own_transformers_class():
+    """A bundled checkpoint of transformers' own architectures (DeepSeek-V4 HCA, Qwen3) loads through the Auto
+    classes as that class, with the logits of `phasekv.load_checkpoint`; GLM-5.3's text model, which transformers
+    has no causal-LM class for, loads its config and is refused by AutoModelForCausalLM."""
+    found = {p.name: p for p in [*CHECKPOINTS.iterdir(), *(CHECKPOINTS / "extra").iterdir()]
+             if (p / "model.safetensors").is_file() and "model_type" in read_experiment(p)["model"]}
+    assert {"dsv4-hca", "qwen3-full", "glm5-kpool"} <= set(found)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    for name, cls in (("dsv4-hca", "DeepseekV4ForCausalLM"), ("qwen3-full", "Qwen3ForCausalLM")):
+        model_type = read_experiment(found[name])["model"]["model_type"]
+        config = transformers.AutoConfig.from_pretrained(found[name])
+        assert config.model_type == model_type and not isinstance(config, PhaseKVConfig)
+        model = transformers.AutoModelForCausalLM.from_pretrained(found[name], dtype=torch.float32).eval()
+        assert type(model).__name__ == cls
+        reference, _ = phasekv.load_checkpoint(found[name])
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits), name
+    assert transformers.AutoConfig.from_pretrained(found["glm5-kpool"]).model_type == "glm5_next_text"
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_pretrained(found["glm5-kpool"])
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_pretrained_round_trips_and_is_a_phasekv_checkpoint(tmp_path, tie):
     model = _tiny_hf(tie_word_embeddings=tie)

@@ -6,7 +6,12 @@ max_position_embeddings, ...) are copied from `model`.  phasekv's checkpoints pr
 no top-level `model_type`, which transformers needs to pick a config class: `register` teaches
 `PreTrainedConfig.get_config_dict` to add `model_type: phasekv` to exactly those configs (a top-level `model`
 section of the phasekv family and no `model_type`), which transformers would otherwise refuse, so the bundled
-checkpoint directories load as they are.  Every other config is returned unchanged.
+checkpoint directories load as they are.  A checkpoint of the transformers family (a `model` section with a
+transformers `model_type`, `phasekv.families`) is returned as that section, i.e. the transformers config of the
+model it holds, so `AutoConfig.from_pretrained(DIR)` gives e.g. a `DeepseekV4Config` and
+`AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)` the model with its trained weights (where
+transformers has a causal-LM class for the type: GLM-5.3's text model has none, `phasekv.load_checkpoint`
+loads it).  Every other config is returned unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class PhaseKVConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         if self.model is not None and self.model.get("model_type", "phasekv") != "phasekv":
             raise ValueError(f"model.model_type: {self.model['model_type']!r} is a transformers family; load it "
-                             "with phasekv.load_checkpoint")
+                             "with AutoModelForCausalLM.from_pretrained(DIR) or phasekv.load_checkpoint")
         self.model = ModelConfig.from_dict(self.model or {}).to_dict()  # validated, every field explicit
         for name in _TOP_LEVEL:
             kwargs.pop(name, None)
@@ -56,11 +61,21 @@ def is_phasekv_experiment(config_dict: dict[str, Any]) -> bool:
     return "model_type" not in config_dict and isinstance(model, dict) and "model_type" not in model
 
 
+def transformers_model(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """The transformers config (as a dict) of a phasekv config.json of the transformers family, else None."""
+    model = config_dict.get("model")
+    if "model_type" in config_dict or not isinstance(model, dict) or model.get("model_type") in (None, "phasekv"):
+        return None
+    return dict(model)
+
+
 def _with_phasekv_model_type(get_config_dict):
     def wrapped(cls, *args: Any, **kwargs: Any):
         config_dict, rest = get_config_dict(cls, *args, **kwargs)
         if is_phasekv_experiment(config_dict):
             config_dict = {**config_dict, "model_type": PhaseKVConfig.model_type}
+        elif (model := transformers_model(config_dict)) is not None:
+            config_dict = model
         return config_dict, rest
 
     wrapped.phasekv = True
