@@ -49,3 +49,24 @@ def test_fixes_rows_and_goal():
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": costly})[0]["goal_met"]
     weak = model(kv=4, window=9, mean=0.5, gap=10)  # flat but worse than the baseline's lower bound
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": weak})[0]["goal_met"]
+
+
+def test_transformers_model_gets_no_verdict_when_its_compressed_layers_are_unused():
+    """A transformers model's phase claim is judged only when knockouts show its compressed layers do the lookup;
+    a flat curve from a model whose compressed layer is unused is 'no verdict', not 'not reproduced'."""
+    def arch(drops, flat):
+        m = model(stride=4, window=4, gap=1 if flat else 40, period=1 if flat else 4)
+        m["prefix"]["flatness_p"] = 1.0 if flat else 0.001
+        rows = [{"layer": layer, "kv_head": head, "mean_rel_change_pct": d} for (layer, head), d in drops.items()]
+        return {**m, "family": "transformers", "architecture": "X", "compressed_layers": [1],
+                "knockout": {"rows": rows}}
+
+    found = findings({"unused": arch({(0, 0): -40.0, (1, 0): -0.4, (1, 1): 8.0}, flat=True),
+                      "used-flat": arch({(0, 0): -1.0, (1, 0): -35.0}, flat=True),
+                      "used-periodic": arch({(1, 0): -90.0}, flat=False),
+                      "no-knockout": {**arch({}, flat=False), "knockout": None}})
+    verdict = {f["claim"].split(":")[0]: f for f in found}
+    assert verdict["unused"]["holds"] is None and verdict["unused"]["why"].startswith("no verdict")
+    assert "NO VERDICT" in verdict["unused"]["measured"]
+    assert verdict["used-flat"]["holds"] is False and "why" not in verdict["used-flat"]
+    assert verdict["used-periodic"]["holds"] is True and verdict["no-knockout"]["holds"] is True

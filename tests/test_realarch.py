@@ -217,7 +217,8 @@ def test_v4_hca_gate_statistics_recompute_the_real_compressor():
                    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4})
     torch.manual_seed(0)
     model = families.build(TransformersModelConfig(section.pop("model_type"), section)).eval()
-    assert families.compression_geometry(model) == {"compressor": "deepseek_v4_hca", "window": 4, "stride": 4}
+    assert families.compression_geometry(model) == {"compressor": "deepseek_v4_hca", "window": 4, "stride": 4,
+                                                    "compressed_layers": [0, 1]}
     found = v4_compressors(model)
     assert [i for i, _ in found] == [0, 1]
     with torch.no_grad():  # visibly non-uniform gates

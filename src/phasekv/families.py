@@ -121,7 +121,8 @@ def family_name(model: nn.Module) -> str:
 
 def compression_geometry(model: nn.Module) -> dict[str, Any] | None:
     """Chunked compression inside a transformers model, read from its config (its classes are not phasekv
-    compressors): {"compressor", "window", "stride"} of the first compressed layer, or None.
+    compressors): {"compressor", "window", "stride", "compressed_layers"} of the first compressed layer's kind
+    (compressed_layers: the indices of the layers of that kind), or None.
 
       DeepSeek-V4 CSA   windows of 2m tokens starting every m (overlapping), m = compress_rates[CSA]
       DeepSeek-V4 HCA   windows of m' tokens every m' (non-overlapping), m' = compress_rates[HCA]
@@ -132,14 +133,16 @@ def compression_geometry(model: nn.Module) -> dict[str, Any] | None:
         return None
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rates = getattr(cfg, "compress_rates", None) or {}
-    for layer_type in getattr(cfg, "layer_types", None) or []:
+    types = getattr(cfg, "layer_types", None) or []
+    for layer_type in types:
+        layers = [i for i, t in enumerate(types) if t == layer_type]  # the layers of this kind of compression
         if layer_type == "compressed_sparse_attention" and layer_type in rates:
             m = int(rates[layer_type])
-            return {"compressor": "deepseek_v4_csa", "window": 2 * m, "stride": m}
+            return {"compressor": "deepseek_v4_csa", "window": 2 * m, "stride": m, "compressed_layers": layers}
         if layer_type == "heavily_compressed_attention" and layer_type in rates:
             m = int(rates[layer_type])
-            return {"compressor": "deepseek_v4_hca", "window": m, "stride": m}
+            return {"compressor": "deepseek_v4_hca", "window": m, "stride": m, "compressed_layers": layers}
         if layer_type == "indexed_attention" and (getattr(cfg, "index_kpool", None) or 1) > 1:
             k = int(cfg.index_kpool)
-            return {"compressor": "glm5_kpool_indexer", "window": k, "stride": k}
+            return {"compressor": "glm5_kpool_indexer", "window": k, "stride": k, "compressed_layers": layers}
     return None

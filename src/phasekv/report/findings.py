@@ -164,12 +164,27 @@ def _cycling(models: dict[str, dict], claim: Callable[..., None]) -> None:
               f"{len(r2)} deltas", measured, good >= min(CYCLING_DELTAS_NEEDED, len(r2)), r2=r2, deltas_ok=good)
 
 
+# a layer takes part in the lookup when knocking out one of its heads (or the whole layer) costs at least this
+# much accuracy, relative (mean replacement, `phasekv.probes.knockout`)
+USED_DROP_PCT = 10.0
+
+
+def compressed_layer_drop(m: dict[str, Any]) -> float | None:
+    """The largest relative accuracy loss (%, negative) of a knockout in one of the model's compressed layers
+    (`compressed_layers`), or None when those layers or their knockouts were not measured."""
+    layers, knockout = m.get("compressed_layers"), m.get("knockout")
+    rows = [r for r in (knockout or {}).get("rows", []) if layers and r.get("layer") in layers]
+    return min(r["mean_rel_change_pct"] for r in rows) if rows else None
+
+
 def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every claim: per model (learns, flat, period S, uniform still phase sensitive), then the orderings."""
     out = []
 
-    def claim(text: str, measured: str, holds: bool) -> None:
-        out.append({"claim": text, "measured": measured, "holds": bool(holds)})
+    def claim(text: str, measured: str, holds: bool | None, why: str | None = None) -> None:
+        # holds None: no verdict, for the reason `why` (the report's verdict column)
+        out.append({"claim": text, "measured": measured, "holds": None if holds is None else bool(holds),
+                    **({"why": why} if why else {})})
 
     for name, m in models.items():
         p = m["prefix"]
@@ -182,12 +197,17 @@ def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                   p["max_gap_pp"] <= 6 and p["flatness_p"] > 0.05)
             continue
         if m.get("family") == "transformers":  # the code users ship: does it show the paper's effect?
+            drop = compressed_layer_drop(m)
+            unused = drop is not None and drop > -USED_DROP_PCT  # the lookup runs through other layers
             claim(f"{name}: transformers' {m['architecture']} with {m['compressor']} (W{m['window']}/S{m['stride']}) "
                   "is phase sensitive (flatness rejected at 5%, period S)",
                   f"mean {100 * p['mean_accuracy']:.1f}% (chance {100 * p['chance']:.1f}%), gap {p['max_gap_pp']:.1f} "
                   f"pp {_ci(p.get('gap_ci_pp'))}, period {p['detected_period']}, flatness p = {p['flatness_p']:.3g}, "
-                  "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"]),
-                  p["flatness_p"] < 0.05 and p["detected_period"] == m["stride"])
+                  "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"])
+                  + (f"; NO VERDICT: knocking out any head of its compressed layers {m['compressed_layers']} costs "
+                     f"at most {-drop:.0f}% (< {USED_DROP_PCT}%), the lookup does not go through them" if unused else ""),
+                  None if unused else p["flatness_p"] < 0.05 and p["detected_period"] == m["stride"],
+                  "no verdict: compressed layers unused" if unused else None)
             continue
         if m["stride"] and name not in FIXES:  # a fix aims at NO period: it is judged in the fixes table
             claim(f"{name}: detected period equals the stride S = {m['stride']}",

@@ -127,7 +127,7 @@ def _findings(findings: list[dict[str, Any]]) -> list[str]:
     parts = [_h2("findings", SECTIONS["findings"]),
              "<table class='findings'><tr><th>claim (PAPER.md section 6)</th><th>measured</th><th>verdict</th></tr>"]
     for f in findings:
-        verdict = ("<span class='note'>not measured</span>" if f["holds"] is None else
+        verdict = (f"<span class='note'>{html.escape(f.get('why', 'not measured'))}</span>" if f["holds"] is None else
                    "<span class='ok'>reproduced</span>" if f["holds"] else "<span class='no'>NOT reproduced</span>")
         parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f['measured'])}</td>"
                      f"<td>{verdict}</td></tr>")

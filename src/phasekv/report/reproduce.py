@@ -119,6 +119,7 @@ def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         "compressor": first.name if first else geometry.get("compressor", "none"),
         "window": first.window if first else geometry.get("window"),
         "stride": first.stride if first else geometry.get("stride"),
+        "compressed_layers": geometry.get("compressed_layers"),  # transformers models: where their compression is
         "uniform": bool(compressors) and not any(c.gate_parameters() for c in compressors),
         "shared_payload": bool(compressors) and not any(c.offset_payload_maps() for c in compressors),
         "staggered": any(c.offset for c in compressors),
