@@ -204,8 +204,9 @@ def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                   f"mean {100 * p['mean_accuracy']:.1f}% (chance {100 * p['chance']:.1f}%), gap {p['max_gap_pp']:.1f} "
                   f"pp {_ci(p.get('gap_ci_pp'))}, period {p['detected_period']}, flatness p = {p['flatness_p']:.3g}, "
                   "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"])
-                  + (f"; NO VERDICT: knocking out any head of its compressed layers {m['compressed_layers']} costs "
-                     f"at most {-drop:.0f}% (< {USED_DROP_PCT}%), the lookup does not go through them" if unused else ""),
+                  + (f"; NO VERDICT: knocking out any head of its compressed layers {m['compressed_layers']} "
+                     f"costs at most {max(0.0, -drop):.0f}% (< {USED_DROP_PCT:.0f}%): the lookup does not go through "
+                     "them" if unused else ""),
                   None if unused else p["flatness_p"] < 0.05 and p["detected_period"] == m["stride"],
                   "no verdict: compressed layers unused" if unused else None)
             continue
