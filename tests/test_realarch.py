@@ -207,17 +207,24 @@ def test_knockout_hooks_act_on_the_real_output_projection_at_the_final_position_
         assert (knocked[1, -1] - clean[1, -1]).abs().max() > 1e-4
 
 
-def test_v4_hca_gate_statistics_recompute_the_real_compressor():
-    from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics, v4_gate_weights
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_v4_gate_statistics_recompute_the_real_compressor(kind):
+    """HCA (windows of m' = 4) and CSA (windows of 2m = 8 every m = 4, two series per token): the gate softmax
+    recomputed from the module's weights rebuilds the module's own entries (CSA: entries 1.., whose previous
+    window exists), and the statistics pool every such window."""
+    from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics, v4_gate_weights, v4_windows
 
     section = small_section("deepseek-v4-csa")
-    for key in ("index_n_heads", "index_head_dim", "index_topk"):
-        section.pop(key)
-    section.update(layer_types=["heavily_compressed_attention"] * 2,
+    if kind == "hca":
+        for key in ("index_n_heads", "index_head_dim", "index_topk"):
+            section.pop(key)
+    layer_type = {"hca": "heavily_compressed_attention", "csa": "compressed_sparse_attention"}[kind]
+    section.update(layer_types=[layer_type] * 2,
                    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4})
     torch.manual_seed(0)
     model = families.build(TransformersModelConfig(section.pop("model_type"), section)).eval()
-    assert families.compression_geometry(model) == {"compressor": "deepseek_v4_hca", "window": 4, "stride": 4,
+    W = 4 if kind == "hca" else 8
+    assert families.compression_geometry(model) == {"compressor": f"deepseek_v4_{kind}", "window": W, "stride": 4,
                                                     "compressed_layers": [0, 1]}
     found = v4_compressors(model)
     assert [i for i, _ in found] == [0, 1]
@@ -234,15 +241,18 @@ def test_v4_hca_gate_statistics_recompute_the_real_compressor():
     for h in hooks:
         h.remove()
     rope = int(model.config.head_dim * model.config.partial_rotary_factor)
+    assert len(seen) == 2
     for c, hidden, entries in seen:  # entries (B, 1, N, D): our alpha rebuilds the module's own entries
         alpha = v4_gate_weights(c, hidden)
+        assert alpha.shape[1:3] == ((10, 4) if kind == "hca" else (9, 8))
         torch.testing.assert_close(alpha.sum(2), torch.ones_like(alpha.sum(2)))
-        n, m = alpha.shape[1], c.compress_rate
-        payload = c.kv_proj(hidden[:, :n * m]).view(hidden.shape[0], n, m, -1)
+        payload = v4_windows(c, c.kv_proj(hidden))
         rebuilt = c.kv_norm((payload * alpha.to(payload.dtype)).sum(2))
-        torch.testing.assert_close(rebuilt[..., :-rope], entries[:, 0, :, :-rope], rtol=1e-5, atol=1e-5)
+        first = 0 if kind == "hca" else 1  # CSA entry 0 has no previous window
+        torch.testing.assert_close(rebuilt[..., :-rope], entries[:, 0, first:, :-rope], rtol=1e-5, atol=1e-5)
     gates = v4_gate_statistics(model, ids, batch_size=1)
     assert [g["layer"] for g in gates] == [0, 1]
     for g in gates:
-        assert len(g["profile"]) == 4 and 1.0 <= g["per_window"] <= g["static"] <= 4.0 + 1e-9
-        assert g["n_windows"] == 2 * (40 // 4) and abs(sum(g["profile"]) - 1) < 1e-6
+        assert len(g["profile"]) == W and 1.0 <= g["per_window"] <= g["static"] <= W + 1e-9
+        assert g["n_windows"] == 2 * (40 // 4 - (kind == "csa")) and abs(sum(g["profile"]) - 1) < 1e-6
+        assert g["window"] == W and g["offset_phases"] == [j % 4 for j in range(W)]

@@ -206,7 +206,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     lap("knockout")
     bar.update()
     prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
-    if v4_compressors(adapter.module):  # transformers' DeepSeek-V4 HCA: its gates read from the real module
+    if v4_compressors(adapter.module):  # transformers' DeepSeek-V4 HCA or CSA: gates read from the real module
         result["gates"] = v4_gate_statistics(adapter.module, prompts)
         lap("gates")
     if compressors_of(adapter.module):  # phasekv's compressors
