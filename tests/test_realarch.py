@@ -256,3 +256,35 @@ def test_v4_gate_statistics_recompute_the_real_compressor(kind):
         assert len(g["profile"]) == W and 1.0 <= g["per_window"] <= g["static"] <= W + 1e-9
         assert g["n_windows"] == 2 * (40 // 4 - (kind == "csa")) and abs(sum(g["profile"]) - 1) < 1e-6
         assert g["window"] == W and g["offset_phases"] == [j % 4 for j in range(W)]
+
+
+def test_v4_gate_cycling_rolls_position_bias_of_hca_and_refuses_csa():
+    """transformers' DeepSeek-V4 HCA compressor is cyclable through its per-offset position_bias (W = S = m',
+    boundary phase m' - 1), restored bit for bit; CSA (W = 2m, S = m) is refused like any W != S compressor."""
+    from phasekv.probes.cycle import boundary_phases, cycle_stride, cycled_gates, offset_gate_parameters
+    from phasekv.probes.v4gates import v4_compressors
+
+    for layer_type, rate in (("heavily_compressed_attention", 8), ("compressed_sparse_attention", 4)):
+        section = small_section("deepseek-v4-csa")
+        if layer_type == "heavily_compressed_attention":
+            for key in ("index_n_heads", "index_head_dim", "index_topk"):
+                section.pop(key)
+        section.update(layer_types=[layer_type] * 2,
+                       compress_rates={"compressed_sparse_attention": rate, "heavily_compressed_attention": rate})
+        torch.manual_seed(0)
+        model = families.build(TransformersModelConfig(section.pop("model_type"), section)).eval()
+        if layer_type == "compressed_sparse_attention":
+            with pytest.raises(ValueError, match="needs W = S"):
+                cycle_stride(model)
+            continue
+        assert cycle_stride(model) == 8 and boundary_phases(model) == [7]
+        biases = [c.position_bias for _, c in v4_compressors(model)]
+        assert [p for _, p in offset_gate_parameters(model)] == biases
+        with torch.no_grad():
+            for p in biases:
+                p.normal_()
+        saved = [p.detach().clone() for p in biases]
+        with cycled_gates(model, 3):
+            for p, before in zip(biases, saved, strict=True):
+                assert torch.equal(p, torch.roll(before, 3, 0))
+        assert all(torch.equal(p, before) for p, before in zip(biases, saved, strict=True))

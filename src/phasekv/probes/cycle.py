@@ -13,7 +13,9 @@ the window boundary (the successor sits in the next entry), which cycling does n
 
 Offset-specific gate parameters are those each compressor declares (`offset_gate_parameters`: one
 slice per offset on dim 0); maps shared by several offsets are left alone, payload maps are never
-touched.
+touched.  transformers' DeepSeek-V4 HCA compressor (W = S = m', windows from position 0, a payload map shared
+by the offsets) is cycled through its per-offset `position_bias`; its CSA compressor (W = 2m, S = m) is not
+cyclable, like any W != S compressor.
 `cycled_gates` restores the saved parameters bit for bit on exit, exception or not.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from phasekv.compression import Compressor
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
@@ -40,23 +44,56 @@ from phasekv.figures.probes import plot_cycling
 from phasekv.probes.gates import gate_statistics
 from phasekv.probes.hooks import compressed_layers
 from phasekv.probes.output import write_result
+from phasekv.probes.v4gates import overlapping, v4_compressors
 
 log = logging.getLogger(__name__)
 
 
-def cycle_stride(model: nn.Module | Adapter) -> int:
-    """The common S = W of the model's compressed layers; ValueError when cycling is undefined."""
-    layers = compressed_layers(model)
-    if not layers:
-        raise ValueError("gate cycling: the model has no compressed layer")
-    strides = set()
-    for i, attn in layers:
+def phasekv_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]:
+    """The compressed layers whose compressor is phasekv's (transformers' DeepSeek-V4 layers have a
+    `compressor` too)."""
+    return [(i, attn) for i, attn in compressed_layers(model) if isinstance(attn.compressor, Compressor)]
+
+
+@dataclass
+class CycledLayer:
+    """A compressed layer as gate cycling sees it: geometry, boundary phase and its offset-specific gate
+    parameters (one slice per window offset on dim 0)."""
+
+    layer: int
+    window: int
+    stride: int
+    boundary: int  # phase of the windows' last offset
+    gates: dict[str, nn.Parameter]
+
+
+def cycled_layers(model: nn.Module | Adapter) -> list[CycledLayer]:
+    """Every compressed layer: phasekv's compressors, and transformers' DeepSeek-V4 compressors, whose per-offset
+    `position_bias` (m', D) is the offset-specific gate parameter (their windows start at position 0)."""
+    out = []
+    for i, attn in phasekv_layers(model):
         c = attn.compressor
         if c.head_stagger:
             raise ValueError(f"gate cycling: layer {i} staggers its KV heads (each head has its own boundary phase)")
-        if c.window != c.stride:
-            raise ValueError(f"gate cycling: needs W = S, but layer {i} has W={c.window}, S={c.stride}")
-        strides.add(c.stride)
+        out.append(CycledLayer(i, c.window, c.stride, c.offset_phase(c.window - 1), c.offset_gate_parameters()))
+    module = model.module if isinstance(model, Adapter) else model
+    for i, c in v4_compressors(module):
+        m = c.compress_rate
+        W = 2 * m if overlapping(c) else m
+        out.append(CycledLayer(i, W, m, (W - 1) % m, {"position_bias": c.position_bias}))
+    return out
+
+
+def cycle_stride(model: nn.Module | Adapter) -> int:
+    """The common S = W of the model's compressed layers; ValueError when cycling is undefined."""
+    layers = cycled_layers(model)
+    if not layers:
+        raise ValueError("gate cycling: the model has no compressed layer")
+    strides = set()
+    for cl in layers:
+        if cl.window != cl.stride:
+            raise ValueError(f"gate cycling: needs W = S, but layer {cl.layer} has W={cl.window}, S={cl.stride}")
+        strides.add(cl.stride)
     if len(strides) > 1:
         raise ValueError(f"gate cycling: compressed layers have different strides {sorted(strides)}")
     return strides.pop()
@@ -65,12 +102,12 @@ def cycle_stride(model: nn.Module | Adapter) -> int:
 def offset_gate_parameters(model: nn.Module | Adapter) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every offset-specific gate parameter of the compressed layers."""
     params = []
-    for i, attn in compressed_layers(model):
-        c = attn.compressor
-        for name, p in c.offset_gate_parameters().items():
-            if p.shape[0] != c.window:
-                raise ValueError(f"gate cycling: layer {i} {name} has {p.shape[0]} slices on dim 0, not W={c.window}")
-            params.append((f"layer {i} {name}", p))
+    for cl in cycled_layers(model):
+        for name, p in cl.gates.items():
+            if p.shape[0] != cl.window:
+                raise ValueError(f"gate cycling: layer {cl.layer} {name} has {p.shape[0]} slices on dim 0, not "
+                                 f"W={cl.window}")
+            params.append((f"layer {cl.layer} {name}", p))
     return params
 
 
@@ -103,7 +140,7 @@ def cycled_gates(model: nn.Module | Adapter, delta: int) -> Iterator[None]:
 
 def boundary_phases(model: nn.Module | Adapter) -> list[int]:
     """Phases of the last offset of every compressed layer's windows (S - 1 unless staggered)."""
-    return sorted({attn.compressor.offset_phase(attn.compressor.window - 1) for _, attn in compressed_layers(model)})
+    return sorted({cl.boundary for cl in cycled_layers(model)})
 
 
 def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
@@ -114,7 +151,7 @@ def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
 
 def offset_payload_maps(model: nn.Module | Adapter) -> list[tuple[int, str, int, nn.Parameter]]:
     """(layer, branch, KV heads, map) of every per-offset payload map (W, hidden, KVH*D)."""
-    return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in compressed_layers(model)
+    return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in phasekv_layers(model)
             for branch, p in attn.compressor.offset_payload_maps().items()]
 
 
