@@ -135,7 +135,9 @@ class HFAdapter(Adapter):
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor):
-        out = self.module(input_ids=ids.to(self.device), use_cache=True)
+        # the cache is what is wanted: the LM head runs on the last position only where the class allows it
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.module.forward).parameters else {}
+        out = self.module(input_ids=ids.to(self.device), use_cache=True, **keep)
         past = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5.x
         return (past, ids.shape[1])
 
