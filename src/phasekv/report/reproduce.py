@@ -121,7 +121,9 @@ def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         "stride": first.stride if first else geometry.get("stride"),
         "compressed_layers": geometry.get("compressed_layers"),  # transformers models: where their compression is
         "uniform": bool(compressors) and not any(c.gate_parameters() for c in compressors),
-        "shared_payload": bool(compressors) and not any(c.offset_payload_maps() for c in compressors),
+        # transformers' DeepSeek-V4 compressors project every offset's payload with one kv_proj
+        "shared_payload": (bool(compressors) and not any(c.offset_payload_maps() for c in compressors)
+                           or bool(v4_compressors(model))),
         "staggered": any(c.offset for c in compressors),
         "kv_heads": info.num_key_value_heads, "layers": info.num_hidden_layers, "hidden": info.hidden_size,
         "val_loss": vals[-1]["val_loss"] if vals else None,
@@ -218,13 +220,13 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             traj = gate_trajectory(path, prompts[:16], out / "gates", progress=False)
             result["gate_trajectory"] = _numbers_only(traj)
             lap("gate_trajectory")
-        if can_cycle(adapter.module):
-            bar.set_description(f"{name}: cycling")
-            deltas = (-1, 0, 1) if quick else range(-3, 4)
-            cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
-                              progress=False, figures=False)
-            result["cycling"] = _numbers_only(cyc)
-            lap("cycling")
+    if can_cycle(adapter.module):  # phasekv's W = S compressors and transformers' DeepSeek-V4 HCA
+        bar.set_description(f"{name}: cycling")
+        deltas = (-1, 0, 1) if quick else range(-3, 4)
+        cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
+                          progress=False, figures=False)
+        result["cycling"] = _numbers_only(cyc)
+        lap("cycling")
     bar.update()
     return result
 
