@@ -164,3 +164,21 @@ def test_window_jitter_shifts_the_grid_per_step_and_restores_it(tmp_path, monkey
     seen.clear()
     train(experiment(), tmp_path / "plain", progress=False)
     assert seen == [0] * 6
+
+
+def test_lr_horizons_reproduce_a_run_resumed_with_more_steps(tmp_path):
+    """A run of 3 steps resumed with steps=6 equals one run of 6 steps with lr_horizons [3], bit for bit (the
+    schedule the bundled dsv4-csa and dsv32-dsa checkpoints were trained with)."""
+    train(experiment(steps=3, checkpoint_every=3, eval_every=3), tmp_path / "resumed", progress=False)
+    train(experiment(steps=6, checkpoint_every=3, eval_every=3), tmp_path / "resumed", resume=True, progress=False)
+    train(experiment(steps=6, checkpoint_every=3, eval_every=3, lr_horizons=[3]), tmp_path / "one", progress=False)
+    rows = {name: read_metrics(tmp_path / name) for name in ("resumed", "one")}
+    assert [r["lr"] for r in rows["one"]] == [r["lr"] for r in rows["resumed"]]
+    assert losses(tmp_path / "one") == losses(tmp_path / "resumed")
+    a = (tmp_path / "one" / "checkpoints" / "step_000006" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "resumed" / "checkpoints" / "step_000006" / "model.safetensors").read_bytes()
+    plain = experiment(steps=6).train
+    assert plain.lr_at(2) != experiment(steps=6, lr_horizons=[3]).train.lr_at(2)
+    for bad in ([6], [0], [4, 3], ["3"], [True]):
+        with pytest.raises(ValueError, match="train.lr_horizons"):
+            experiment(steps=6, lr_horizons=bad)

@@ -488,6 +488,9 @@ class TrainConfig:
     lr: float = spec(3e-3, positive=True, high=10.0)
     min_lr_ratio: float = spec(0.1, low=0.0, high=1.0)
     warmup_steps: int = spec(50, low=0)
+    # earlier cosine horizons, increasing: up to step h the cosine decays over h steps, then over the next
+    # horizon, finally over `steps`: the schedule of a run resumed with a larger train.steps, in one run
+    lr_horizons: list = spec(factory=list)
     weight_decay: float = spec(0.1, low=0.0)
     beta1: float = spec(0.9, low=0.0, high=1.0)
     beta2: float = spec(0.95, low=0.0, high=1.0)
@@ -513,12 +516,19 @@ class TrainConfig:
         check_fields(self, "train")
         if self.warmup_steps > self.steps:
             raise ValueError(f"train.warmup_steps: must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        bounds = [self.warmup_steps, *self.lr_horizons, self.steps]
+        if any(isinstance(h, bool) or not isinstance(h, int) for h in self.lr_horizons) or any(
+                a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"train.lr_horizons: must be increasing integers between warmup_steps="
+                             f"{self.warmup_steps} and steps={self.steps} (exclusive), got {_short(self.lr_horizons)}")
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup to lr, then cosine to lr * min_lr_ratio at the last step."""
+        """Linear warmup to lr, then cosine to lr * min_lr_ratio at the horizon: the first of `lr_horizons`
+        above the step, else the last step."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        horizon = next((h for h in self.lr_horizons if step < h), self.steps)
+        progress = (step - self.warmup_steps) / max(1, horizon - self.warmup_steps)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
