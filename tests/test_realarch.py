@@ -288,3 +288,23 @@ def test_v4_gate_cycling_rolls_position_bias_of_hca_and_refuses_csa():
             for p, before in zip(biases, saved, strict=True):
                 assert torch.equal(p, torch.roll(before, 3, 0))
         assert all(torch.equal(p, before) for p, before in zip(biases, saved, strict=True))
+
+
+def test_knockout_of_a_layer_with_its_own_head_count_is_whole_layer(tmp_path):
+    """GLM-5.3 with a one-head linear-attention layer (its o_proj takes 8 dims, the MLA layer 2 heads x 8): the
+    knockout replaces that layer whole and the MLA layer per KV head; per-head replacement of the narrow layer is
+    refused in one line."""
+    from phasekv.data import Vocabulary, build_eval_set
+    from phasekv.probes import calibration_set, replace_heads, run_knockout
+
+    section = {**small_section("glm5-kpool"), "linear_num_heads": 1}
+    torch.manual_seed(0)
+    adapter = HFAdapter(families.build(TransformersModelConfig(section.pop("model_type"), section)).eval(), "glm")
+    vocab = Vocabulary(n_keys=16, n_values=4, n_fillers=8, n_background=8)
+    eval_set = build_eval_set(vocab, "prefix", n_records=8, n_demos=2, stride=4, residue_modulus=4, local_window=4,
+                              n_clusters=2)
+    result = run_knockout(adapter, eval_set, calibration_set(eval_set, n_prompts=8), tmp_path, progress=False)
+    assert [(r["layer"], r["kv_head"]) for r in result["rows"]] == [(0, None), (1, 0), (1, 1)]
+    assert (tmp_path / "knockout.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="knock out the whole layer"), replace_heads(adapter, 0, [1], torch.zeros(8)):
+        pass

@@ -101,13 +101,19 @@ def capture_final_head_outputs(adapter: Adapter) -> Iterator[list[list[torch.Ten
 
 
 @contextlib.contextmanager
-def replace_heads(adapter: Adapter, layer: int, heads: list[int], mean: torch.Tensor) -> Iterator[None]:
-    """Replace, at the final position only, the o_proj input of query `heads` of `layer` by the
+def replace_heads(adapter: Adapter, layer: int, heads: list[int] | None, mean: torch.Tensor) -> Iterator[None]:
+    """Replace, at the final position only, the o_proj input of query `heads` of `layer` (None: all of it) by the
     matching dims of `mean` (H*D,); every other dim and position passes through unchanged."""
     if not 0 <= layer < adapter.info.num_layers:
         raise ValueError(f"layer: must be in [0, {adapter.info.num_layers}), got {layer}")
     D = adapter.info.head_dim
-    dims = torch.tensor([h * D + d for h in heads for d in range(D)], dtype=torch.long)
+    if heads is None:
+        dims = torch.arange(mean.numel())
+    else:
+        dims = torch.tensor([h * D + d for h in heads for d in range(D)], dtype=torch.long)
+        if int(dims.max()) >= mean.numel():
+            raise ValueError(f"layer {layer}: its output projection takes {mean.numel()} dims, not the model's "
+                             f"{adapter.info.num_heads} heads x {D}: knock out the whole layer")
 
     def hook(module, args):
         if not _armed(adapter):
@@ -127,7 +133,7 @@ def mean_knockout(adapter: Adapter, layer: int, kv_head: int | None,
                   mean: torch.Tensor) -> contextlib.AbstractContextManager[None]:
     """Replace, at the final position only, the outputs of the query heads reading `kv_head` of
     `layer` (None: all heads of the layer) by the calibration `mean` (H*D,); nothing else changes."""
-    return replace_heads(adapter, layer, heads_of_kv(adapter, kv_head), mean)
+    return replace_heads(adapter, layer, None if kv_head is None else heads_of_kv(adapter, kv_head), mean)
 
 
 def compressed_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]:

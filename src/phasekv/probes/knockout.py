@@ -125,7 +125,11 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
     clean_records = predict(probe, eval_set, batch_size, multi_query, progress, desc="clean")
     clean = accuracies(clean_records, S, R)
     heads = [None] if whole_layer else list(range(adapter.info.num_kv_heads))
-    targets = [(layer, h) for layer in range(adapter.info.num_layers) for h in heads]
+    # a layer whose output projection is not the model's H x D heads (GLM-5.3's linear-attention layer with its
+    # own head count) is knocked out whole
+    width = adapter.info.num_heads * adapter.info.head_dim
+    targets = [(layer, h) for layer in range(adapter.info.num_layers)
+               for h in (heads if means[layer].numel() == width else [None])]
     rows = []
     for layer, kv_head in tqdm(targets, desc="knockout", unit="head", disable=not progress):
         name = f"L{layer}" + ("" if kv_head is None else f" KV{kv_head}")
