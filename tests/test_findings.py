@@ -70,3 +70,19 @@ def test_transformers_model_gets_no_verdict_when_its_compressed_layers_are_unuse
     assert "NO VERDICT" in verdict["unused"]["measured"]
     assert verdict["used-flat"]["holds"] is False and "why" not in verdict["used-flat"]
     assert verdict["used-periodic"]["holds"] is True and verdict["no-knockout"]["holds"] is True
+
+
+def test_gate_cycling_verdict_is_inconclusive_when_intervals_span_the_bar():
+    def cycled(rows):
+        m = model(shared=True)
+        m["cycling"] = {"deltas": [{"delta": 0, "r2_excl_boundary": 1.0, "r2_excl_boundary_ci": [1.0, 1.0]}] + [
+            {"delta": d, "r2_excl_boundary": r2, "r2_excl_boundary_ci": ci} for d, (r2, ci) in rows.items()]}
+        return m
+
+    wide = {d: (0.5, [-0.3, 0.9]) for d in (-2, -1, 1, 2)}
+    found = findings({"good": cycled({d: (0.95, [0.8, 0.98]) for d in (-2, -1, 1, 2)}), "wide": cycled(wide),
+                      "bad": cycled({d: (0.1, [-0.2, 0.4]) for d in (-2, -1, 1, 2)})})
+    verdict = {f["claim"].split(":")[0]: f for f in found if "gate cycling" in f["claim"]}
+    assert verdict["good"]["holds"] is True and verdict["bad"]["holds"] is False
+    assert verdict["wide"]["holds"] is None and verdict["wide"]["why"].startswith("inconclusive")
+    assert "[-0.30, 0.90]" in verdict["wide"]["measured"] and "4 of 4 deltas" in verdict["wide"]["claim"]

@@ -49,6 +49,7 @@ from phasekv.train import read_metrics, train
 log = logging.getLogger(__name__)
 
 PROBE_CLUSTERS = 8
+GRADED_CYCLING_CLUSTERS = 24  # gate cycling of transformers' DeepSeek-V4 HCA: 6,912 prompts
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger",
            "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
            "dsv4-hca", "dsv4-csa", "qwen3-full"]  # the last three: transformers' own DeepSeek-V4 (HCA layers, CSA
@@ -223,8 +224,13 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             lap("gate_trajectory")
     if can_cycle(adapter.module):  # phasekv's W = S compressors and transformers' DeepSeek-V4 HCA
         bar.set_description(f"{name}: cycling")
-        deltas = (-1, 0, 1) if quick else range(-3, 4)
-        cyc = run_cycling(adapter, probe_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
+        deltas, cycle_set = (-1, 0, 1) if quick else range(-3, 4), probe_set
+        if v4_compressors(adapter.module) and not quick:
+            # a graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured
+            # on dsv4-hca: with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9]); two shifts each way
+            deltas = range(-2, 3)
+            cycle_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, GRADED_CYCLING_CLUSTERS))
+        cyc = run_cycling(adapter, cycle_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
                           progress=False, figures=False)
         result["cycling"] = _numbers_only(cyc)
         lap("cycling")
