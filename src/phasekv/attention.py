@@ -98,9 +98,10 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def _parts_pay(q: torch.Tensor, vis: Visible) -> bool:
-    """`attention_by_parts` applies (`regular_entries`) and is the faster path (PARTS_MIN_PAIRS)."""
+    """`attention_by_parts` applies (`regular_entries`; torch's CPU flash kernel, so CPU or meta tensors) and is the
+    faster path (PARTS_MIN_PAIRS)."""
     return q.shape[3] * (0 if vis.entries_k is None else vis.entries_k.shape[2]) >= PARTS_MIN_PAIRS and \
-        regular_entries(vis)
+        q.device.type in ("cpu", "meta") and regular_entries(vis)
 
 
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,

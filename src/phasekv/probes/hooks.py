@@ -111,7 +111,7 @@ def replace_heads(adapter: Adapter, layer: int, heads: list[int] | None, mean: t
         dims = torch.arange(mean.numel())
     else:
         dims = torch.tensor([h * D + d for h in heads for d in range(D)], dtype=torch.long)
-        if int(dims.max()) >= mean.numel():
+        if dims.numel() and int(dims.max()) >= mean.numel():
             raise ValueError(f"layer {layer}: its output projection takes {mean.numel()} dims, not the model's "
                              f"{adapter.info.num_heads} heads x {D}: knock out the whole layer")
 

@@ -224,18 +224,23 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             lap("gate_trajectory")
     if can_cycle(adapter.module):  # phasekv's W = S compressors and transformers' DeepSeek-V4 HCA
         bar.set_description(f"{name}: cycling")
-        deltas, cycle_set = (-1, 0, 1) if quick else range(-3, 4), probe_set
-        if v4_compressors(adapter.module) and not quick:
-            # a graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured
-            # on dsv4-hca: with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9]); two shifts each way
-            deltas = range(-2, 3)
-            cycle_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, GRADED_CYCLING_CLUSTERS))
-        cyc = run_cycling(adapter, cycle_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch,
-                          progress=False, figures=False)
-        result["cycling"] = _numbers_only(cyc)
+        result["cycling"] = _cycling(adapter, probe_set, vocab, defaults, out, quick, seed, batch)
         lap("cycling")
     bar.update()
     return result
+
+
+def _cycling(adapter, probe_set, vocab, defaults, out: Path, quick: bool, seed: int, batch: int) -> dict[str, Any]:
+    """Gate cycling on the probe set; transformers' DeepSeek-V4 HCA on a larger set with two shifts each way: a
+    graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured on dsv4-hca:
+    with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9])."""
+    deltas, cycle_set = (-1, 0, 1) if quick else range(-3, 4), probe_set
+    if v4_compressors(adapter.module) and not quick:
+        deltas = range(-2, 3)
+        cycle_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, GRADED_CYCLING_CLUSTERS))
+    cyc = run_cycling(adapter, cycle_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch, progress=False,
+                      figures=False)
+    return _numbers_only(cyc)
 
 
 def _numbers_only(result: dict[str, Any]) -> dict[str, Any]:
