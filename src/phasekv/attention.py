@@ -22,6 +22,10 @@ Two fast paths, both tested against `windowed_attention_reference` (the per-quer
     the work ratio.  A long prefill
     runs through the layer's cache in chunks of PREFILL_CHUNK positions (`Attention._chunked_prefill`):
     its peak memory is chunk-sized.
+Multi-query evaluation adds two inference-only steps on the layer: `fill_cache` extends the cache without
+computing the attention output (the model's last layer during a prefill, `PhaseKVForCausalLM.prefill`), and
+query rows continuing a shared cache (`KVCache.shared`) read it in place (`Attention._shared_step`,
+`attention_over_shared`), both tested against the plain forward.
 The training forward is cached inference that starts from an empty cache.
 """
 
