@@ -19,9 +19,8 @@ Two fast paths, both tested against `windowed_attention_reference` (the per-quer
   - without autograd, entries on one grid (inference, evaluation, prefill): `attention_by_parts`, flash-
     attention parts merged by their log-sum-exps, the entry part per block of 128 entry rows as one unmasked
     call and one small masked diagonal, so its cost is close to the full-attention kernel's per score times
-    the work ratio.  A long prefill
-    runs through the layer's cache in chunks of PREFILL_CHUNK positions (`Attention._chunked_prefill`):
-    its peak memory is chunk-sized.
+    the work ratio.  A long prefill runs through the layer's cache in chunks of PREFILL_CHUNK positions
+    (`Attention._chunked_prefill`): its peak memory is chunk-sized.
 Multi-query evaluation adds two inference-only steps on the layer: `fill_cache` extends the cache without
 computing the attention output (the model's last layer during a prefill, `PhaseKVForCausalLM.prefill`), and
 query rows continuing a shared cache (`KVCache.shared`) read it in place (`Attention._shared_step`,
