@@ -100,11 +100,15 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _has_flash_lse(t: torch.Tensor) -> bool:
+    """`_flash` runs on t's device: torch's flash kernel with log-sum-exp is CPU-only (meta shapes it too)."""
+    return t.device.type in ("cpu", "meta")
+
+
 def _parts_pay(q: torch.Tensor, vis: Visible) -> bool:
-    """`attention_by_parts` applies (`regular_entries`; torch's CPU flash kernel, so CPU or meta tensors) and is the
-    faster path (PARTS_MIN_PAIRS)."""
+    """`attention_by_parts` applies (`regular_entries`, `_has_flash_lse`) and is the faster path (PARTS_MIN_PAIRS)."""
     return q.shape[3] * (0 if vis.entries_k is None else vis.entries_k.shape[2]) >= PARTS_MIN_PAIRS and \
-        q.device.type in ("cpu", "meta") and regular_entries(vis)
+        _has_flash_lse(q) and regular_entries(vis)
 
 
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -305,10 +309,17 @@ def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
         for part in _entries_by_rows(q, t0 - int(q_pos[0]), t0, e0, stride, vis.entries_k, vis.entries_v):
             _merge_into(out, band_lse, part)
             del part  # one part's output alive at a time
-    if sink is not None:  # a key of logit sink[h] and value zero: rescales the output only
-        joint = torch.logaddexp(band_lse, sink.to(q.dtype).view(1, KVH, G, 1))
-        out.mul_((band_lse - joint).exp()[..., None])
+    _rescale_by_sink(out, band_lse, sink)
     return out
+
+
+def _rescale_by_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> None:
+    """The sink, a key of logit sink[h] and value zero, added to attention out (B, KVH, G, T, D) with log-sum-exp
+    lse (B, KVH, G, T): it only rescales the output, in place."""
+    if sink is not None:
+        KVH, G = out.shape[1:3]
+        joint = torch.logaddexp(lse, sink.to(out.dtype).view(1, KVH, G, 1))
+        out.mul_((lse - joint).exp()[..., None])
 
 
 def attention_over_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, shared_ok: torch.Tensor,
@@ -341,12 +352,9 @@ def attention_over_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: tor
     p = scores.sub_(lse_o[..., None]).exp_()
     o_o = (p[..., None] * own_v[:, :, None, None]).sum(-2) if few else torch.matmul(
         p.view(R, KVH, G * T, M2), own_v).view(R, KVH, G, T, D)
-    joint = torch.logaddexp(lse_s, lse_o)
-    out = o_s.mul_((lse_s - joint).exp()[..., None]).addcmul_(o_o, (lse_o - joint).exp()[..., None])
-    if sink is not None:
-        with_sink = torch.logaddexp(joint, sink.to(q.dtype).view(1, KVH, G, 1))
-        out.mul_((joint - with_sink).exp()[..., None])
-    return out
+    _merge_into(o_s, lse_s, Part(0, T, o_o, lse_o))
+    _rescale_by_sink(o_s, lse_s, sink)
+    return o_s
 
 
 def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
@@ -377,6 +385,12 @@ def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink
                 p = torch.softmax(s, dim=-1)[:, : keys.shape[1]]
                 out[:, kv, g, i] = (p[:, :, None] * vals).sum(1)
     return out
+
+
+def _window_start(cache: LayerCache, start: int) -> int:
+    """Index, in (the cache's pending hidden states, then the input at position `start`), of the first window start
+    (`pending_start`): where the compressor's input begins."""
+    return max(0, cache.pending_start - (start - cache.pending_h.shape[1]))
 
 
 class Attention(nn.Module):
@@ -461,7 +475,7 @@ class Attention(nn.Module):
         on the CPU (torch's flash kernel with log-sum-exp) and when every cached key's visibility depends on the
         query position only; an indexer's selection, head-staggered owners and the uncompressed tail take the
         expanded copy."""
-        if torch.is_grad_enabled() or start == 0 or x.device.type not in ("cpu", "meta"):
+        if torch.is_grad_enabled() or start == 0 or not _has_flash_lse(x):
             return False
         if self.kind == "full":
             return cache.k is not None
@@ -477,14 +491,14 @@ class Attention(nn.Module):
         pos = torch.arange(start, start + T, device=x.device)
         q = self._heads(x, self.q_proj, "q_norm", pos).reshape(R, KVH, H // KVH, T, D)
         k, v = self._keys_values(x, pos)  # (R, KVH, T, D)
-        own_ok = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - (
-            start + T if self.kind == "full" else self.local))  # (T, T)
         if self.kind == "full":
             shared_k, shared_v = cache.k, cache.v
             shared_ok = pos.new_ones(T, shared_k.shape[2], dtype=torch.bool)
-        else:
+            own_ok = pos[None, :] <= pos[:, None]  # (T, T) causal
+        else:  # the raw window as `windowed_attention` reads it: the cached raw tokens, then the rows' own
+            window = _raw_mask(torch.cat([cache.raw_pos, pos]), pos, self.local, None)  # (T, L-1+T)
             shared_k, shared_v = cache.raw_k, cache.raw_v
-            shared_ok = (cache.raw_pos[None, :] >= 0) & (cache.raw_pos[None, :] > pos[:, None] - self.local)
+            shared_ok, own_ok = window[:, :self.local - 1], window[:, self.local - 1:]
             if cache.entries_k is not None:  # complete windows of the context: every query reads them
                 shared_k = torch.cat([shared_k, cache.entries_k], dim=2)
                 shared_v = torch.cat([shared_v, cache.values()], dim=2)
@@ -498,7 +512,7 @@ class Attention(nn.Module):
         """`_shared_step`'s own keys extended by the entries of the windows the rows' tokens complete (per row:
         the cached partial window, shared, followed by the row's tokens), visible from their window's end on."""
         c, n, P = self.compressor, cache.repeats, cache.pending_h.shape[1]
-        first = max(0, cache.pending_start - (start - P))  # the pending part from a window start
+        first = _window_start(cache, start)
         if num_windows(P - first + x.shape[1], c.window, c.grid_stride) == 0:
             return k, v, own_ok
         h = torch.cat([cache.pending_h[:, first:].repeat_interleave(n, dim=0), x[:, max(0, first - P):]], dim=1)
@@ -584,7 +598,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             # (B, P+T, hidden); no copy of x when nothing is pending (the whole training forward)
             h = torch.cat([cache.pending_h, x], dim=1) if cache.pending_h.shape[1] else x
-            h = h[:, max(0, cache.pending_start - (start - cache.pending_h.shape[1])):]  # from a window start
+            h = h[:, _window_start(cache, start):]
             nk, nv, nend = self.compressed_entries(h, cache.pending_start)
             cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
             consumed = nk.shape[2] * self.compressor.grid_stride

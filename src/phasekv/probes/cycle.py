@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from phasekv.compression import Compressor
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
@@ -47,12 +46,6 @@ from phasekv.probes.output import write_result
 from phasekv.probes.v4gates import overlapping, v4_compressors
 
 log = logging.getLogger(__name__)
-
-
-def phasekv_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]:
-    """The compressed layers whose compressor is phasekv's (transformers' DeepSeek-V4 layers have a
-    `compressor` too)."""
-    return [(i, attn) for i, attn in compressed_layers(model) if isinstance(attn.compressor, Compressor)]
 
 
 @dataclass
@@ -71,7 +64,7 @@ def cycled_layers(model: nn.Module | Adapter) -> list[CycledLayer]:
     """Every compressed layer: phasekv's compressors, and transformers' DeepSeek-V4 compressors, whose per-offset
     `position_bias` (m', D) is the offset-specific gate parameter (their windows start at position 0)."""
     out = []
-    for i, attn in phasekv_layers(model):
+    for i, attn in compressed_layers(model):
         c = attn.compressor
         if c.head_stagger:
             raise ValueError(f"gate cycling: layer {i} staggers its KV heads (each head has its own boundary phase)")
@@ -151,7 +144,7 @@ def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
 
 def offset_payload_maps(model: nn.Module | Adapter) -> list[tuple[int, str, int, nn.Parameter]]:
     """(layer, branch, KV heads, map) of every per-offset payload map (W, hidden, KVH*D)."""
-    return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in phasekv_layers(model)
+    return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in compressed_layers(model)
             for branch, p in attn.compressor.offset_payload_maps().items()]
 
 

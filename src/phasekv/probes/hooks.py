@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from phasekv.compression import Compressor
 from phasekv.evaluate.adapter import Adapter
 
 
@@ -142,7 +143,8 @@ def compressed_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]
         attn = model.attention_layers()
     else:
         attn = [layer.self_attn for layer in model.model.layers]
-    return [(i, a) for i, a in enumerate(attn) if getattr(a, "compressor", None) is not None]
+    # transformers' DeepSeek-V4 attention has a `compressor` too, not a phasekv one (`phasekv.probes.v4gates`)
+    return [(i, a) for i, a in enumerate(attn) if isinstance(getattr(a, "compressor", None), Compressor)]
 
 
 @contextlib.contextmanager
