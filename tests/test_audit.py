@@ -8,7 +8,7 @@ import torch
 
 from phasekv.evaluate.adapter import HFAdapter
 from phasekv.report.audit import run_audit
-from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer
+from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model
 
 
 def _tiny_llama(vocab_size: int):
@@ -35,7 +35,7 @@ def test_a_model_at_chance_stops_at_the_capability_gate(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SMOL / SMOL_FILE).is_file(), reason="real model not fetched (make real-model)")
+@needs_real_model
 def test_real_model_records_format_is_flat_uncompressed_and_periodic_under_select(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -8,7 +8,7 @@ import torch
 from phasekv.config import EvalConfig
 from phasekv.data.formats import FORMATS, FormatVocabulary, load_format
 from phasekv.data.protocols import build_eval_set
-from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer
+from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_chat_and_haystack_errors_are_one_clear_line(tmp_path, tokenizer, prose_
         EvalConfig(chat=True)
 
 
-@pytest.mark.skipif(not (SMOL / SMOL_FILE).is_file(), reason="real model not fetched (make real-model)")
+@needs_real_model
 @pytest.mark.parametrize("chat", [False, True])
 def test_needle_prompts_are_token_exact_with_the_real_smollm2_tokenizer(chat):
     from transformers import AutoTokenizer

@@ -21,6 +21,7 @@ import pytest
 
 from phasekv.evaluate.metrics import summarize, task_verdict
 from phasekv.report.html import SECTIONS, write_report
+from tests.helpers import needs_real
 from tests.test_metrics import phase_curve, shifted_records
 
 CHROMIUM = shutil.which("chromium")
@@ -46,8 +47,8 @@ addEventListener("load", () => {
 });
 </script>"""
 
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y "
-                                                              "chromium; .ci/run installs it)")
+needs_chromium = needs_real(CHROMIUM is not None, "chromium not installed (apt-get install -y chromium; .ci/run "
+                                                   "installs it)")
 
 
 def _model(stride: int, fail: tuple[int, ...], seed: int) -> dict:
