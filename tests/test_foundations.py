@@ -1,23 +1,23 @@
-"""The foundations the other features build on: the import layers, the compressor interface, the model
-families, checkpoints of every family, old configs, and the `eval:` section."""
+"""The foundations the other features build on: the layered import graph, the compressor interface, the
+layers' own windows in the probes, and a repository that stands alone (its documents live in docs/, every
+reference to them resolves, and the tests mirror the package)."""
 
 import ast
-import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-import phasekv
-from phasekv import ModelConfig, build_model, families
-from phasekv.checkpoint import load_weights, save_checkpoint
+from phasekv import ModelConfig, build_model
 from phasekv.compression import compressors_of
-from phasekv.config import Experiment, TransformersModelConfig, model_config_from_dict
 from phasekv.probes.gates import gate_statistics
 from tests.helpers import tiny
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "phasekv"
-CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "phasekv"
+TESTS = REPO / "tests"
 
 
 # ----------------------------------------------------------------------------- the import graph
@@ -149,27 +149,6 @@ def test_a_compressor_from_outside_the_package_brings_its_own_options():
     assert ModelConfig.from_dict(config.to_dict()) == config  # round trip through plain data
 
 
-def test_old_flat_configs_load_and_round_trip():
-    flat = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, local_window=4, compressor="gated", window=8, stride=4, gate="vector",
-                csa_block=4, hca_block=128, index_topk=0, tied_kv=False)  # every compressor's keys, as old files
-    config = ModelConfig.from_dict(flat)
-    assert list(config.compressors) == ["gated"] and config.options("gated").geometry() == (8, 4)
-    assert config.options("gated").gate == "vector"
-    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-
-
-def test_every_bundled_checkpoint_loads_through_the_public_function():
-    found = sorted(p for p in CHECKPOINTS.iterdir() if (p / "model.safetensors").is_file())
-    assert len(found) >= 8
-    for path in found:
-        model, config = phasekv.load_checkpoint(path)
-        assert isinstance(config, ModelConfig | TransformersModelConfig) and not model.training
-        ids = torch.randint(0, config.vocab_size, (1, 40))
-        with torch.no_grad():
-            assert torch.isfinite(families.logits(model, ids)).all()
-
-
 def test_staggered_layers_report_gates_on_their_real_windows():
     """Layer 1 of a staggered W = S = 4 model starts its windows at position 2.  A token X placed at every
     position = 3 mod 4 sits at offset 1 of layer 1's windows (and offset 3 of layer 0's); a gate that
@@ -231,49 +210,99 @@ def test_cycling_excludes_each_layers_boundary_phase():
         cycle_stride(build_model(tiny(compressor="gated", window=4, stride=4, head_stagger=True)))
 
 
-# ----------------------------------------------------------------------------- model families
+# ----------------------------------------------------------------------------- a repository that stands alone
+
+# Documents that exist only outside the repository: nothing in it may point there.  The names are built from
+# parts so that this file does not mention them itself.
+OUTSIDE_DOCUMENTS = (*(f"{name}.md" for name in ("PAPER", "DESIGN", "STYLE", "FINDINGS")),
+                     "/".join(("..", "shared")), "/".join(("", "work", "shared")))
+DOC_MENTION = re.compile(r"\bdocs/([\w.-]+?\.md)\b")
+# "docs/science.md section 4", "sections 3 and 6", "s. 3", "docs/science.md's section 1"
+SCIENCE_CITATION = re.compile(r"docs/science\.md(?:'s)?\s+(?:sections?|s\.)\s+(\d+(?:(?:\s*,\s*|\s+and\s+)\d+)*)")
+STYLE_CITATION = re.compile(r"docs/style\.md\s+(?:rule\s+)?(\d+)")
 
 
-QWEN3 = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attention_bias": False,
-         "use_sliding_window": False}
+def repository_files() -> dict[str, str]:
+    """path -> text of every file a commit would hold (tracked, and new files git does not ignore); binary files
+    are left out."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, check=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the repository's files cannot be listed")
+    files = {}
+    for name in sorted(set(listed.split("\0")) - {""}):
+        path = REPO / name
+        if path.is_symlink() or not path.is_file():  # e.g. deleted in the work tree, not yet in the index
+            continue
+        with open(path, "rb") as f:
+            if b"\0" in f.read(8192):
+                continue
+        try:
+            files[name] = path.read_text()
+        except UnicodeDecodeError:
+            continue
+    return files
 
 
-def test_transformers_model_sections_are_validated_by_name():
-    assert isinstance(model_config_from_dict(QWEN3), TransformersModelConfig)
-    with pytest.raises(ValueError, match="model.hiden_size: not a field of transformers' Qwen3Config"):
-        model_config_from_dict({**QWEN3, "hiden_size": 3})
-    with pytest.raises(ValueError, match="model.model_type: transformers has no model type 'qwen99'"):
-        model_config_from_dict({**QWEN3, "model_type": "qwen99"})
+def _mentions(pattern: re.Pattern, files: dict[str, str]) -> list[tuple[str, int, re.Match]]:
+    """(path, line, match) of every match of `pattern` in `files`."""
+    return [(name, text.count("\n", 0, m.start()) + 1, m) for name, text in files.items()
+            for m in pattern.finditer(text)]
 
 
-@pytest.mark.slow
-def test_qwen3_from_transformers_trains_and_evaluates_like_the_same_phasekv_model(tmp_path):
-    """`phasekv train` trains transformers' Qwen3ForCausalLM; `phasekv eval --checkpoint` evaluates it;
-    a phasekv full-attention model with the same weights is the same function and gets the same metrics."""
-    from phasekv.cli import main
-    from phasekv.train import train
-    from tests.test_train import TINY
+def test_no_file_refers_to_a_document_outside_the_repository():
+    files = repository_files()
+    assert "README.md" in files and "src/phasekv/config.py" in files  # the listing found the repository
+    found = [f"{name}:{text.count(chr(10), 0, text.index(doc)) + 1}: {doc}" for name, text in files.items()
+             for doc in OUTSIDE_DOCUMENTS if doc in text]
+    assert not found, f"references to documents outside the repository: {found}"
 
-    tree = {**TINY, "model": QWEN3, "train": {**TINY["train"], "steps": 4, "checkpoint_every": 4}}
-    train(Experiment.from_tree(tree), tmp_path / "run", progress=False)
-    hf_model, hf_config = phasekv.load_checkpoint(tmp_path / "run")
-    assert type(hf_model).__name__ == "Qwen3ForCausalLM"
-    same = build_model(ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=512, local_window=TINY["model"]["local_window"]))
-    load_weights(same, {k: v for k, v in hf_model.state_dict().items()}, "hf")
-    ids = torch.randint(0, 256, (2, 50))
-    with torch.no_grad():
-        torch.testing.assert_close(same(ids), hf_model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    tree_json = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
-    save_checkpoint(tmp_path / "same", same, {**tree_json, "model": same.config.to_dict()})
-    flags = ["--clusters", "2", "--records", "24", "--demos", "4", "--no-progress", "--seed", "3"]
-    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf_eval"), *flags]) == 0
-    assert main(["eval", "--checkpoint", str(tmp_path / "same"), "--out", str(tmp_path / "pk_eval"), *flags]) == 0
-    a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("hf_eval", "pk_eval"))
-    assert a["per_residue"] == b["per_residue"] and a["n_prompts"] == b["n_prompts"] > 0
-    preds = [(tmp_path / d / "predictions.jsonl").read_text() for d in ("hf_eval", "pk_eval")]
-    assert preds[0] == preds[1]
+
+def test_every_document_mentioned_exists_in_docs():
+    mentions = _mentions(DOC_MENTION, repository_files())
+    assert {m.group(1) for _, _, m in mentions} >= {"science.md", "architecture.md", "style.md"}
+    missing = [f"{name}:{line}: docs/{m.group(1)}" for name, line, m in mentions
+               if not (REPO / "docs" / m.group(1)).is_file()]
+    assert not missing, f"documents mentioned but absent from docs/: {missing}"
+
+
+def test_every_cited_section_and_rule_exists():
+    files = repository_files()
+    science, style = (REPO / "docs" / "science.md").read_text(), (REPO / "docs" / "style.md").read_text()
+    sections = [int(n) for n in re.findall(r"^## (\d+)\. ", science, re.M)]
+    assert sections == list(range(1, 8)), f"docs/science.md numbers its sections 1..7, found {sections}"
+    rules = [int(n) for n in re.findall(r"^(\d+)\. \*\*", style, re.M)]
+    assert rules == list(range(1, len(rules) + 1)) and len(rules) >= 6
+    cited = [(name, line, int(n), sections) for name, line, m in _mentions(SCIENCE_CITATION, files)
+             for n in re.findall(r"\d+", m.group(1))]
+    cited += [(name, line, int(m.group(1)), rules) for name, line, m in _mentions(STYLE_CITATION, files)]
+    assert len(cited) >= 30  # the docstrings cite their sections
+    absent = [f"{name}:{line}: {n}" for name, line, n, present in cited if n not in present]
+    assert not absent, f"citations of sections or rules that docs/science.md or docs/style.md does not have: {absent}"
+
+
+# where a module's tests live when they are not in tests/test_<module>.py
+TESTED_IN = {
+    "layers": "test_model.py",  # RMSNorm and RoPE against their references, with the model
+    "hf_config": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes
+    "hf_registration": "test_hf_model.py",
+    "textlm": "test_realarch.py",  # GLM-5.3's text model, its one user
+    "cli": "test_fuzz.py",  # every subcommand's bad input; kills in test_reliability.py; each command's own test
+    "report": "test_reproduce.py",  # with test_findings.py, test_audit.py and test_report_browser.py
+    "demo": None,  # no test yet
+}
+
+
+def test_tests_mirror_the_package():
+    units = sorted(p.stem for p in SRC.iterdir() if p.suffix == ".py" and p.stem != "__init__")
+    units += sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file())
+    assert {"config", "checkpoint", "outputs", "families", "indexer", "evaluate", "cli"} <= set(units)
+    for unit in units:
+        own = TESTS / f"test_{unit}.py"
+        if unit in TESTED_IN:
+            assert not own.exists(), f"{unit}: tests/test_{unit}.py exists, drop its TESTED_IN entry"
+            assert TESTED_IN[unit] is None or (TESTS / TESTED_IN[unit]).is_file(), unit
+        else:
+            assert own.is_file(), f"src/phasekv/{unit}: no tests/test_{unit}.py (or say where its tests are: TESTED_IN)"
+    assert set(TESTED_IN) <= set(units), f"TESTED_IN names modules that do not exist: {set(TESTED_IN) - set(units)}"

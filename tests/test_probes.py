@@ -1,7 +1,6 @@
 """Mechanistic probes: knockout hooks change only what they should, concentration closed forms,
 gate cycling restores the model exactly; everything on tiny models built from config."""
 
-import argparse
 import json
 
 import numpy as np
@@ -12,7 +11,7 @@ from torch import nn
 
 from phasekv import ModelConfig, build_model
 from phasekv.checkpoint import save_checkpoint
-from phasekv.cli.probes import add_parser
+from phasekv.cli import build_parser
 from phasekv.compression.gated import GatedCompressor
 from phasekv.data import Vocabulary, build_eval_set
 from phasekv.evaluate.adapter import HFAdapter, PhaseKVAdapter
@@ -398,8 +397,7 @@ def test_cli_runs_the_probes_on_a_checkpoint(vocab, tmp_path):
     rig(model.lm_head, vocab.group("values")[0])
     save_checkpoint(tmp_path / "ckpt", model, {"model": config.to_dict(), "vocab": vocab.to_dict(),
                                                "data": {"n_records": 12}})
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()  # the `phasekv` command as registered: one module per probe subcommand
     common = ["--checkpoint", str(tmp_path / "ckpt"), "--records", "12", "--demos", "2", "--residue-modulus", "8",
               "--clusters", "2", "--local-window", "4", "--no-progress"]
     for command, extra in (("knockout", ["--calib-prompts", "16"]), ("gates", ["--prompts", "8"]),

@@ -1,4 +1,4 @@
-"""Attention for full, sliding and compressed layers (PAPER.md section 1).
+"""Attention for full, sliding and compressed layers (docs/science.md section 1).
 
 A compressed layer's query at position t uses ONE softmax over
   (a) the exact keys/values of the last `local_window` raw tokens (t itself included), or, with

@@ -1,4 +1,4 @@
-"""Inference cache that really saves the memory (PAPER.md section 1).
+"""Inference cache that really saves the memory (docs/science.md section 1).
 
 Full layers keep every key and value.  Sliding and compressed layers keep
   - the raw window: keys/values of the last `local_window - 1` tokens (fixed size; the query's

@@ -1,4 +1,4 @@
-"""The Qwen3-style decoder (PAPER.md section 2), with Hugging Face parameter names.
+"""The Qwen3-style decoder (docs/science.md section 2), with Hugging Face parameter names.
 
 RMSNorm pre-norm, per-head RMSNorm on q and k, RoPE (all, part or none of the dims), GQA, SwiGLU,
 optional tied embeddings.  Each layer's attention is full, sliding or compressed

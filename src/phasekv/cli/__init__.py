@@ -1,9 +1,10 @@
 """The `phasekv` command: a thin map from subcommands to typed library functions.
 
-Each subcommand's module in this package exposes `add_parser(subparsers)`; the parser it adds sets
-`func`, which turns the parsed flags into typed arguments and calls one library function.  No
-library module defines an argparse parser.  Bad user input becomes one line on stderr and exit
-status 2 (130 on Ctrl-C), never a traceback (`-v` shows it); under torchrun only rank 0 prints it.
+Each subcommand has one module in this package, listed in `COMMAND_MODULES` (in the order of
+`phasekv --help`), which exposes `add_parser(subparsers)`; the parser it adds sets `func`, which turns
+the parsed flags into typed arguments and calls one library function.  No library module defines an
+argparse parser.  Bad user input becomes one line on stderr and exit status 2 (130 on Ctrl-C), never a
+traceback (`-v` shows it); under torchrun only rank 0 prints it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import traceback
 # seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
 # printed, when rank 1 failed first)
 RANK_ERROR_GRACE_S = 10.0
-COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "probes", "reproduce", "audit", "export"]
+COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "knockout", "gates", "cycle", "grid", "reproduce",
+                   "audit", "export"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(f"phasekv.cli.{name}").add_parser(sub)
     return parser
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse a flag below 1 (`names`: argparse destinations) in one line that names the flag."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
 def _one_line(exc: BaseException) -> str:

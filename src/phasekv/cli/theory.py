@@ -1,11 +1,11 @@
-"""`phasekv theory --out DIR`: run the checks of PAPER.md section 5 and write figures and a JSON summary."""
+"""`phasekv theory --out DIR`: run the checks of docs/science.md section 5 and write figures and a JSON summary."""
 
 from __future__ import annotations
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("theory", help="the idealized induction model: optimum, gradient flow, phase "
-                                      "dependence (PAPER.md section 5)")
+                                      "dependence (docs/science.md section 5)")
     p.add_argument("--out", required=True, help="directory for theory_summary.json and the figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smaller samples (under 30 s)")

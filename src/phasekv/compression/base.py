@@ -1,4 +1,4 @@
-"""The compressor interface and its name registry (PAPER.md section 1).
+"""The compressor interface and its name registry (docs/science.md section 1).
 
 A compressor reads a layer's normalized hidden states in windows of `W` tokens that start every
 `S` tokens from the layer's first window start `offset` (0 unless the layer is staggered) and writes

@@ -1,4 +1,4 @@
-"""DeepSeek-V4-style compressors (PAPER.md section 2), written from the paper's description.
+"""DeepSeek-V4-style compressors (docs/science.md section 2), written from the paper's description.
 
 `deepseek_csa` (compressed sparse attention): blocks of m tokens (option csa_block, default 4).
 Entry j is built from a window of 2m tokens: the previous block's m tokens go through one payload

@@ -1,4 +1,4 @@
-"""The paper's gated chunk compressor (PAPER.md section 1) and the per-offset machinery it shares.
+"""The paper's gated chunk compressor (docs/science.md section 1) and the per-offset machinery it shares.
 
 For window j and offset i (hidden state h[j,i], separately for the K and V branches):
 

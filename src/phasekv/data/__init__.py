@@ -1,5 +1,5 @@
 """Synthetic data: the word vocabulary, the lookup prompt family with its training stream, and the
-evaluation prompt sets of the two padding protocols (PAPER.md section 3)."""
+evaluation prompt sets of the two padding protocols (docs/science.md section 3)."""
 
 from phasekv.data.lookup import (
     IGNORE,

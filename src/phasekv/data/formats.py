@@ -1,6 +1,6 @@
 """Prompt formats as data: how the records of a lookup prompt look to a real language model.
 
-A format is a small template (PAPER.md section 3 describes the task; the real-models issue measured
+A format is a small template (docs/science.md section 3 describes the task; the real-models issue measured
 why framing matters: bare word pairs 0-8% on SmolLM2-135M, framed `key: 482` lines 87%):
 
     <bos> [chat prefix] header  [fillers]  record x N  [fillers]  tail [chat suffix]  demonstration x D  query
@@ -17,7 +17,7 @@ prompt builders use (`phasekv.data.protocols.build_eval_set`), plus `header`, `t
 `sample_records`; `retokenization_agreement` measures how far the token-level prompt differs from what
 the tokenizer would produce from its text.
 
-Needle in a haystack (`haystack_tokens` > 0; PAPER.md section 3's needle test, multi-key): every record is
+Needle in a haystack (`haystack_tokens` > 0; docs/science.md section 3's needle test, multi-key): every record is
 a needle sentence (" The special magic number for tiger is 482."), and `haystack_tokens` tokens of real
 English prose sit before every needle and after the last one.  The prose is whole sentences of the
 built-in list `haystack.txt` (package data), each tokenized once; a piece is a set of sentences whose

@@ -5,7 +5,7 @@ contiguous per group, in the order of `GROUPS`:
 
     specials    "<bos>" (starts every sequence) and "<pad>" (never placed in a sequence by
                 phasekv; it exists so that a runner that must pad a batch has an id that is not a
-                word; padding has to be masked and must not shift positions, see DESIGN.md)
+                word; padding has to be masked and must not shift positions, see docs/architecture.md)
     keys        animal names, the record keys ("cat", "otter", ...)
     values      person names, the record values ("Alice", ...)
     fillers     neutral filler words ("um", "so", "well", ...); all padding is real filler tokens

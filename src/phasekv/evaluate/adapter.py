@@ -1,4 +1,4 @@
-"""The one small interface evaluation and probes use to talk to a model (DESIGN.md).
+"""The one small interface evaluation and probes use to talk to a model (docs/architecture.md).
 
 An adapter scores next-token logits for batches of token ids, either in one forward pass or by
 prefilling shared contexts once and continuing several queries from copies of the cache.  Both

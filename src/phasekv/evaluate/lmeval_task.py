@@ -4,7 +4,7 @@ It runs inside lm-eval, where phasekv need not be installed, so it imports nothi
 task's `prompts.jsonl` from beside itself (no download), scores a document by exact match of the one greedily
 generated token's text with the answer token's text, and aggregates the statistics `phasekv eval` reports:
 `acc` (mean), `acc_residue_<r>` (per residue group, target position mod R), `acc_phase_<p>` (per phase, mod S),
-`gap_pp` (best minus worst residue group, percentage points, PAPER.md's phase gap) and `phase_gap_pp`.
+`gap_pp` (best minus worst residue group, percentage points, docs/science.md's phase gap) and `phase_gap_pp`.
 
 Every document yields every metric; a per-group metric is None for the documents outside its group, and
 `group_accuracy` averages the others, so each group's accuracy is n_correct / n of exactly its documents.

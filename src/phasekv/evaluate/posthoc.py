@@ -1,4 +1,4 @@
-"""Post-hoc chunk compression of a pretrained transformers model's KV cache (PAPER.md section 1).
+"""Post-hoc chunk compression of a pretrained transformers model's KV cache (docs/science.md section 1).
 
 A model is prefilled with full attention; then, in every layer, the keys and values of the "old"
 positions (all but the last `local_window` of the T context tokens) are replaced by ONE entry per

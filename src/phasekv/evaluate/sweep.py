@@ -1,11 +1,11 @@
-"""`phasekv sweep`: the shift sweep of a flipping completion (PAPER.md section 3, "Shift sweep").
+"""`phasekv sweep`: the shift sweep of a flipping completion (docs/science.md section 3, "Shift sweep").
 
     phasekv sweep --checkpoint DIR --text "cat Alice dog" --a Alice --b Bob --out OUT
     phasekv sweep --hf PATH --filler " the" --text "T.Cast(FP" --a 8 --b 32 --max-filler 63 --out OUT
 
 For every filler length n = 0..max_filler the prompt is
 
-    prefix + n x filler + text            (every token real: no padding, see DESIGN.md)
+    prefix + n x filler + text            (every token real: no padding, see docs/architecture.md)
 
 and the two candidate continuations a and b are scored after it by teacher forcing: P(a), P(b) are
 the probabilities of their FIRST tokens at the prompt's last position, logp_a, logp_b the summed

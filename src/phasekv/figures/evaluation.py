@@ -1,4 +1,4 @@
-"""Figures of the evaluation (PAPER.md sections 3 and 6): accuracy by residue and the shift sweep.
+"""Figures of the evaluation (docs/science.md sections 3 and 6): accuracy by residue and the shift sweep.
 
 `plot_accuracy_by_residue`, `plot_residue_curves`, `plot_residue_grid` and `plot_phase_heatmap` read
 the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json contract); `plot_sweep`

@@ -1,4 +1,4 @@
-"""Figures of the mechanistic probes (PAPER.md section 4): knockout map, concentration plane, gate
+"""Figures of the mechanistic probes (docs/science.md section 4): knockout map, concentration plane, gate
 profiles, gate trajectory and gate cycling.
 
 Each function reads the JSON-ready dict (or list) its probe in `phasekv.probes` returns, writes a PNG

@@ -1,11 +1,11 @@
-"""Figures of the theory run (PAPER.md section 5): training, concentration, retrieval, the optimum.
+"""Figures of the theory run (docs/science.md section 5): training, concentration, retrieval, the optimum.
 
 `write_theory_figures` draws all four into one directory:
 
   theory_training.png       loss over training, each head's static p^K(r), p^V(r) (the trajectory of
                             concentration) for the first run, and how often heads collide against rho;
   theory_concentration.png  effective number of offsets (static exp(H(E[p])), per-window E[exp(H(p))])
-                            over training, the path in the concentration plane of PAPER.md section 4
+                            over training, the path in the concentration plane of docs/science.md section 4
                             ending in the lower-left corner (1, 1), and concentration speed against kappa;
   theory_retrieval.png      probability of the correct successor by query position at the trained
                             solution, and at the Theorem 1 optimum against m, S, N and eps;

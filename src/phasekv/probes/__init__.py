@@ -1,4 +1,4 @@
-"""Mechanistic probes (PAPER.md section 4): KV-head knockout by phase, gate concentration, gate cycling.
+"""Mechanistic probes (docs/science.md section 4): KV-head knockout by phase, gate concentration, gate cycling.
 
 All of them reach the model through named hook points (`hooks`) or parameter patches that are
 context managers restoring the model on exit.

@@ -1,4 +1,4 @@
-"""Gate concentration (PAPER.md section 4): how many offsets a compressor's gate really uses.
+"""Gate concentration (docs/science.md section 4): how many offsets a compressor's gate really uses.
 
 For one gate (layer, KV head, branch) and its weights alpha over the W offsets of many windows:
     static     = exp(H(E[alpha]))     entropy of the mean profile: which offsets the gate uses overall

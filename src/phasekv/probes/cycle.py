@@ -1,4 +1,4 @@
-"""Gate cycling (PAPER.md section 4): move each gate's preferred offsets by delta and re-evaluate.
+"""Gate cycling (docs/science.md section 4): move each gate's preferred offsets by delta and re-evaluate.
 
 For W = S compressors, window j covers positions o + jS .. o + jS + S - 1 (o: the layer's first
 window start), so offset i IS phase (o + i) mod S of its

@@ -1,4 +1,4 @@
-"""Gate concentration of compressed layers over windows of real prompts (PAPER.md section 4).
+"""Gate concentration of compressed layers over windows of real prompts (docs/science.md section 4).
 
 For every compressed layer, KV head and branch (K, V; one "k" branch when K = V are tied, as in the
 DeepSeek kernels) the prompts' hidden states are captured at the attention input, the compressor's

@@ -1,4 +1,4 @@
-"""Named hook points as context managers that always restore the model (STYLE.md 6).
+"""Named hook points as context managers that always restore the model (docs/style.md 6).
 
 The o_proj hooks sit on the input of each layer's `o_proj`, i.e. the per-head attention outputs
 before the output projection, laid out (B, T, H * D) with query head h in dims h*D .. (h+1)*D-1.
@@ -16,7 +16,7 @@ that its prefill forwards are invisible to the hooks of this module; pass the wr
 hook and the runner (`phasekv.evaluate.runner.predict`) and both evaluation modes act on queries only.
 
 `attention_inputs` captures each compressed layer's attention input, the normalized hidden state h
-that the compressor reads (PAPER.md section 1); `compressed_layers` finds those layers.
+that the compressor reads (docs/science.md section 1); `compressed_layers` finds those layers.
 """
 
 from __future__ import annotations

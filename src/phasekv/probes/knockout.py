@@ -1,4 +1,4 @@
-"""Mean-replacement knockout of KV heads, by phase (PAPER.md section 4).
+"""Mean-replacement knockout of KV heads, by phase (docs/science.md section 4).
 
 For layer l and KV head h, the outputs (before o_proj) of the query heads that read h are replaced,
 at the final position of each prompt only, by their mean over the N_cal prompts of a calibration set;

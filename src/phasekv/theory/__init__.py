@@ -1,4 +1,4 @@
-"""The idealized induction model of PAPER.md section 5: its loss, its optimum, its gradient flow.
+"""The idealized induction model of docs/science.md section 5: its loss, its optimum, its gradient flow.
 
   model.py    the model and its population loss (closed form, enumeration, Monte Carlo, reference)
   optimum.py  Theorem 1: the oracle optimum is one-hot and adjacent, distinct across heads at eps = 0

@@ -1,4 +1,4 @@
-"""Theorem 2 of PAPER.md section 5, simulated: gradient flow of log-linear gates concentrates statically.
+"""Theorem 2 of docs/science.md section 5, simulated: gradient flow of log-linear gates concentrates statically.
 
 Each head h has gates p^B_h(r | chunk) = softmax_r <c^B_{h,r}, x_{l,r}> for B in {K, V}, with
 parameters c shared across contexts and chunks.  With the exact embeddings x_t = sqrt(kappa) u + e_t a
@@ -12,7 +12,7 @@ tensor has norm rho.  Many independent runs (seeds) train at once as one batched
 losses are summed, so their gradients do not interact.
 
 Recorded over training: the loss, the static gate E[p^B_h] (mean over contexts and chunks), the two
-gate-concentration coordinates of PAPER.md section 4 (static exp(H(E[p])), per-window E[exp(H(p))]),
+gate-concentration coordinates of docs/science.md section 4 (static exp(H(E[p])), per-window E[exp(H(p))]),
 and the largest content part of any gate logit.  At the end each head's position r_h = argmax E[p^K_h]
 and the worst case over fresh contexts and chunks of p^K_h(r_h) and p^V_h(r_h + 1).
 """

@@ -1,4 +1,4 @@
-"""The idealized induction model of PAPER.md section 5, and its population loss three ways.
+"""The idealized induction model of docs/science.md section 5, and its population loss three ways.
 
 A context holds L chunks of S distinct tokens drawn without replacement from N embeddings with
 x.x' = kappa + 1{x = x'} up to error eps.  Each of m < S heads compresses chunk l into

@@ -1,4 +1,4 @@
-"""Theorem 1 of PAPER.md section 5, checked numerically: the oracle optimum is one-hot and adjacent.
+"""Theorem 1 of docs/science.md section 5, checked numerically: the oracle optimum is one-hot and adjacent.
 
 In the oracle class the coefficient vectors p^K_{h,l}, p^V_{h,l} may depend on the context, the chunk
 and the head (never on the query), so the population loss is minimized context by context: for one

@@ -1,4 +1,4 @@
-"""`run_theory`: every check of PAPER.md section 5 in one pass, written to a JSON summary and figures.
+"""`run_theory`: every check of docs/science.md section 5 in one pass, written to a JSON summary and figures.
 
 Sections of the summary:
   loss_check   the population loss computed exactly (closed form at eps = 0; enumeration of every
@@ -300,7 +300,7 @@ def single_thread():
 
 
 def run_theory(out_dir: str | Path, seed: int = 0, quick: bool = False, progress: bool = True) -> dict:
-    """Run every check of PAPER.md section 5; write theory_summary.json and PNG figures into out_dir.
+    """Run every check of docs/science.md section 5; write theory_summary.json and PNG figures into out_dir.
 
     Returns the summary (plain JSON values); its "figures" lists the PNG file names written.
     """
