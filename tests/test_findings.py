@@ -1,42 +1,189 @@
-"""The paper's orderings and the fixes table, on synthetic model summaries with known answers."""
+"""The paper's claims as findings, on synthetic model summaries with known answers: every claim is tested where it
+must hold, where it must fail and where its interval spans the threshold (inconclusive)."""
 
-from phasekv.report.findings import covered_phases, findings, fixes, is_graded
+import pytest
+
+from phasekv.report.findings import count, count_line, covered_phases, difference_interval, findings, fixes, judge
+
+IN_CONTEXT = 0.04  # in-context chance: the gate is 8%
+
+
+def rows(phases, n=600):
+    """Per-phase rows with Wilson-like intervals of half-width ~2 points (n prompts per phase)."""
+    half = 0.02 if n >= 600 else 0.08
+    return [{"phase": i, "accuracy": a, "ci_low": max(0.0, a - half), "ci_high": min(1.0, a + half), "n": n}
+            for i, a in enumerate(phases)]
 
 
 def model(compressor="gated", window=8, stride=8, kv=1, mean=0.5, gap=50.0, phases=None, uniform=False,
-          shared=False, bytes_per_token=320.0, period=None):
-    phases = phases if phases is not None else [mean] * stride
-    prefix = {"mean_accuracy": mean, "mean_ci": [mean - 0.01, mean + 0.01], "max_gap_pp": gap,
-              "gap_ci_pp": [gap - 1, gap + 1], "detected_period": period or stride, "flatness_p": 0.001,
-              "within_flatness_p": 0.001, "chance": 1 / 64, "per_phase": [{"accuracy": a} for a in phases]}
+          shared=False, bytes_per_token=320.0, period=None, gap_ci=None, mean_ci=None, flatness_p=0.001, n=600):
+    phases = phases if phases is not None else [mean] * (stride or 8)
+    can = (mean_ci or [mean - 0.01])[0] > 2 * IN_CONTEXT
+    prefix = {"mean_accuracy": mean, "mean_ci": mean_ci or [mean - 0.01, mean + 0.01], "max_gap_pp": gap,
+              "gap_crossfit_pp": gap, "gap_crossfit_ci_pp": gap_ci or [gap - 2, gap + 2], "gap_ci_pp": [gap, gap + 2],
+              "detected_period": period or stride or 1, "flatness_p": flatness_p, "null_gap_p95_pp": 5.0,
+              "within_flatness_p": 0.001, "chance": 1 / 64, "in_context_chance": IN_CONTEXT, "can_do_task": can,
+              "per_phase": rows(phases, n)}
     return {"compressor": compressor, "window": window if compressor != "none" else None,
             "stride": stride if compressor != "none" else None, "uniform": uniform, "shared_payload": shared,
             "staggered": False, "kv_heads": kv, "layers": 2, "hidden": 128, "prefix": prefix,
             "cache_bytes_per_token": bytes_per_token}
 
 
-def by_claim(found, text):
-    return [f for f in found if f["claim"].startswith(text)]
+def full(kv=1, mean=0.2, gap=2.0, **kw):
+    return model(compressor="none", kv=kv, mean=mean, gap=gap, **kw)
 
 
-def test_orderings_compare_same_family_models_only_and_say_when_unmeasured():
-    models = {"w8s8": model(gap=98), "w8s4": model(stride=4, gap=40), "w8s8-4kv": model(kv=4, gap=70),
-              "full-1kv": model(compressor="none", mean=0.2, gap=2), "full-8kv": model(compressor="none", kv=8,
-                                                                                       mean=0.6, gap=3)}
+def status(found, text):
+    hits = [f for f in found if f["claim"].startswith(text)]
+    assert len(hits) == 1, [f["claim"] for f in found]
+    return hits[0]["status"]
+
+
+def test_the_one_rule():
+    assert judge([12, 20], 10) == "holds" and judge([2, 8], 10) == "fails" and judge([8, 12], 10) == "inconclusive"
+    assert judge([2, 5], 6.1, above=False) == "holds" and judge([7, 9], 6.1, above=False) == "fails"
+    assert judge([5, 7], 6.1, above=False) == "inconclusive" and judge(None, 1) == "inconclusive"
+    low, high = difference_interval(10.0, [8.0, 12.0], 20.0, [17.0, 23.0])
+    assert low == pytest.approx(10 - 5 ** 0.5 * 1) or low == pytest.approx(10 - (4 + 9) ** 0.5)
+    assert high - low == pytest.approx(2 * (2 ** 2 + 3 ** 2) ** 0.5)
+
+
+def test_full_attention_learns_and_is_flat_only_when_it_can_do_the_task():
+    found = findings({"good": full(mean=0.3), "copier": full(mean=0.05, mean_ci=[0.04, 0.06]),
+                      "edge": full(mean=0.085, mean_ci=[0.07, 0.10]), "bumpy": full(mean=0.3, gap=12.0),
+                      "vague": full(mean=0.3, gap=5.0, gap_ci=[1.0, 9.0])})
+    assert status(found, "good: learns") == "holds" and status(found, "good: full attention is flat") == "holds"
+    assert status(found, "copier: learns") == "fails"
+    assert status(found, "copier: full attention is flat") == "inconclusive"  # flat near a copier means nothing
+    assert status(found, "edge: learns") == "inconclusive"  # its interval spans the gate
+    assert status(found, "bumpy: full attention is flat") == "fails"
+    assert status(found, "vague: full attention is flat") == "inconclusive"
+    copier = next(f for f in found if f["claim"].startswith("copier: full attention is flat"))
+    assert copier["why"].startswith("inconclusive: cannot do the task") and copier["paper"] and copier["rule"]
+
+
+def test_compressed_models_must_be_periodic_with_period_s():
+    curve = [0.9] * 7 + [0.05]
+    found = findings({"w8s8": model(phases=curve, gap=85), "w8s8-p4": model(phases=curve, gap=85, period=4),
+                      "w8s8-flat": model(gap=3, flatness_p=0.4), "w8s8-small": model(gap=6, gap_ci=[2, 9]),
+                      "w8s8-spans": model(gap=15, gap_ci=[7, 20]), "w8s8-noisy": model(gap=30, flatness_p=0.3),
+                      "w8s8-dead": model(mean=0.03, mean_ci=[0.02, 0.04], gap=3)})
+    assert status(found, "w8s8: phase sensitive with period S = 8") == "holds"
+    assert status(found, "w8s8-p4: phase sensitive") == "fails"
+    assert status(found, "w8s8-flat: phase sensitive") == "fails"
+    assert status(found, "w8s8-small: phase sensitive") == "fails"
+    assert status(found, "w8s8-spans: phase sensitive") == "inconclusive"
+    assert status(found, "w8s8-noisy: phase sensitive") == "fails"  # a large gap that flatness does not confirm
+    assert status(found, "w8s8-dead: phase sensitive") == "inconclusive"
+
+
+def test_uniform_averaging_must_stay_phase_sensitive():
+    found = findings({"u": model(uniform=True, gap=20), "u-flat": model(uniform=True, gap=3, gap_ci=[0, 6]),
+                      "u-spans": model(uniform=True, gap=12, gap_ci=[6, 16])})
+    assert status(found, "u: uniform averaging") == "holds"
+    assert status(found, "u-flat: uniform averaging") == "fails"
+    assert status(found, "u-spans: uniform averaging") == "inconclusive"
+
+
+def test_w8s8_shape_worst_phase_and_within_window_spread():
+    graded = [0.95, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]  # the paper's kind: phases 0..6 spread widely
+    boundary = [1, 1, 1, 1, 1, 1, 0.84, 0.09]  # only the boundary fails: spread within the window 16 pp
+    weak_everywhere = [0.5, 0.45, 0.4, 0.5, 0.45, 0.4, 0.5, 0.35]  # no weak phase
+    found = findings({"g": model(phases=graded), "b": model(phases=boundary), "w": model(phases=weak_everywhere),
+                      "edge": model(phases=[0.9] * 7 + [0.19], n=60)})
+    assert status(found, "g: W8/S8 worst phase") == "holds" and status(found, "g: W8/S8 within-window") == "holds"
+    assert status(found, "b: W8/S8 worst phase") == "holds" and status(found, "b: W8/S8 within-window") == "fails"
+    assert status(found, "w: W8/S8 worst phase") == "fails"
+    assert status(found, "g: W8/S8 at least 3 phases") == "holds" and status(found, "b: W8/S8 at least 3") == "holds"
+    two_good = findings({"o": model(phases=[0.9, 0.8, 0.41, 0.2, 0.1, 0.05, 0.05, 0.05]),  # the third straddles
+                         "t": model(phases=[0.9, 0.8, 0.3, 0.2, 0.1, 0.05, 0.05, 0.05])})
+    assert status(two_good, "o: W8/S8 at least 3") == "inconclusive"
+    assert status(two_good, "t: W8/S8 at least 3") == "fails"
+    assert status(found, "edge: W8/S8 worst phase") == "inconclusive"  # 19% with a wide interval
+    spread = next(f for f in found if f["claim"].startswith("b: W8/S8 within-window"))
+    assert "16.0 pp" in spread["measured"] and spread["paper"].startswith("phases 0..6")
+
+
+def test_orderings_use_the_difference_interval():
+    models = {"w8s8": model(gap=80), "w8s4": model(stride=4, window=8, gap=40),
+              "w12s12": model(window=12, stride=12, gap=79), "w8s8-uniform": model(uniform=True, mean=0.2, gap=20),
+              "full-1kv": full(mean=0.2), "full-8kv": full(kv=8, mean=0.6)}
     found = findings(models)
-    gaps = by_claim(found, "gap(W8/S4) < gap(W8/S8)")
-    assert [f["models"] for f in gaps] == [["w8s4", "w8s8"]] and gaps[0]["holds"] and gaps[0]["clear"]
-    assert by_claim(found, "mean(full, 8 KV) > mean(full, 1 KV)")[0]["holds"]
-    unmeasured = by_claim(found, "mean(W8/S8 uniform)")
-    assert unmeasured[0]["holds"] is None and unmeasured[0]["measured"].startswith("not measured")
+    assert status(found, "gap(W8/S4) < gap(W8/S8) (w8s4 vs w8s8)") == "holds"
+    assert status(found, "gap(W12/S12) < gap(W8/S8) (w12s12 vs w8s8)") == "inconclusive"  # 79 vs 80, +-2 each
+    assert status(found, "mean(W8/S8 uniform) < mean(W8/S8 learned gates)") == "holds"
+    assert status(found, "mean(full, 8 KV) > mean(full, 1 KV)") == "holds"
+    reversed_ = findings({**models, "w8s4": model(stride=4, window=8, gap=95), "full-8kv": full(kv=8, mean=0.1)})
+    assert status(reversed_, "gap(W8/S4) < gap(W8/S8) (w8s4 vs w8s8)") == "fails"
+    assert status(reversed_, "mean(full, 8 KV) > mean(full, 1 KV)") == "fails"
+    lonely = findings({"w8s8": model(gap=80)})
+    assert status(lonely, "mean(W8/S8 uniform)") == "not measured"
+    other_size = findings({"w8s8": model(gap=80), "w8s4-4kv": model(stride=4, window=8, kv=4, gap=40)})
+    assert status(other_size, "gap(W8/S4) < gap(W8/S8)") == "not measured"  # different KV heads: not compared
 
 
-def test_graded_shape_and_covered_phases():
-    graded = model(phases=[1, 1, 1, 1, 0.9, 0.5, 0.3, 0.05])["prefix"]
-    binary = model(phases=[1, 1, 0.02, 0.02, 0.01, 0.01, 0.01, 0.02])["prefix"]
-    assert covered_phases(graded) == 8 and is_graded(graded, 8)
-    assert covered_phases(binary) == 2 and not is_graded(binary, 8)
-    assert not is_graded({**graded, "detected_period": 4}, 8)
+def test_coverage_grows_with_heads():
+    def covering(k, kv):
+        return model(kv=kv, phases=[0.9] * k + [0.05] * (8 - k))
+
+    assert covered_phases(covering(3, 1)["prefix"]) == (3, 3)
+    grows = findings({"a": covering(3, 1), "b": covering(6, 4)})
+    same = findings({"a": covering(5, 1), "b": covering(5, 4)})
+    edge = findings({"a": covering(3, 1), "b": model(kv=4, phases=[0.9] * 3 + [0.41] + [0.05] * 4)})
+    assert status(grows, "covered phases") == "holds" and status(same, "covered phases") == "fails"
+    assert status(edge, "covered phases") == "inconclusive"  # the 4th phase's interval straddles 40%
+
+
+def test_gate_cycling_on_every_payload_kind():
+    def cycled(ci_rows, shared):
+        m = model(shared=shared)
+        m["cycling"] = {"deltas": [{"delta": 0, "r2_excl_boundary": 1.0, "r2_excl_boundary_ci": [1.0, 1.0]}] + [
+            {"delta": d, "r2_excl_boundary": sum(ci) / 2, "r2_excl_boundary_ci": ci} for d, ci in ci_rows.items()]}
+        return m
+
+    deltas = (-3, -2, -1, 1, 2, 3)
+    found = findings({"good": cycled({d: [0.8, 0.98] for d in deltas}, shared=True),
+                      "offset": cycled({d: [-0.9, 0.1] for d in deltas}, shared=False),
+                      "wide": cycled({d: [0.29, 0.87] for d in deltas}, shared=True),
+                      "point": cycled({d: [0.7, 0.9] for d in deltas[:3]} | {d: [0.2, 0.5] for d in deltas[3:]},
+                                      shared=True)})
+    assert status(found, "good: gate cycling") == "holds"
+    assert status(found, "offset: gate cycling") == "fails"  # the paper's per-offset kernel counts too
+    assert "per-offset payload maps" in next(f["claim"] for f in found if f["claim"].startswith("offset: gate"))
+    assert status(found, "wide: gate cycling") == "inconclusive"  # a point above 0.66 with [0.29, 0.87] is not "holds"
+    assert status(found, "point: gate cycling") == "fails"  # only 3 of 6 can reach the bar
+
+
+def test_transformers_model_gets_no_verdict_when_its_compressed_layers_are_unused():
+    def arch(drops, flat):
+        m = model(stride=4, window=4, gap=1 if flat else 40, period=1 if flat else 4, flatness_p=1.0 if flat else 1e-3)
+        knock = [{"layer": layer, "kv_head": head, "mean_rel_change_pct": d} for (layer, head), d in drops.items()]
+        return {**m, "family": "transformers", "architecture": "X", "compressed_layers": [1],
+                "knockout": {"rows": knock}}
+
+    found = findings({"unused": arch({(0, 0): -40.0, (1, 0): -0.4, (1, 1): 8.0}, flat=True),
+                      "used-flat": arch({(0, 0): -1.0, (1, 0): -35.0}, flat=True),
+                      "used-periodic": arch({(1, 0): -90.0}, flat=False),
+                      "no-knockout": {**arch({}, flat=False), "knockout": None}})
+    verdict = {f["claim"].split(":")[0]: f for f in found}
+    assert verdict["unused"]["status"] == "inconclusive" and verdict["unused"]["why"].startswith("no verdict")
+    assert "NO VERDICT" in verdict["unused"]["measured"]
+    assert verdict["used-flat"]["status"] == "fails" and "why" not in verdict["used-flat"]
+    assert verdict["used-periodic"]["status"] == "holds" and verdict["no-knockout"]["status"] == "holds"
+
+
+def test_counts_keep_every_status():
+    found = findings({"w8s8": model(phases=[0.9] * 7 + [0.05], gap=85), "full-1kv": full(mean=0.05,
+                                                                                         mean_ci=[0.04, 0.06])})
+    c = count(found)
+    assert sum(c.values()) == len(found) and c["fails"] >= 1 and c["inconclusive"] >= 1 and c["not measured"] >= 1
+    line = count_line(found)
+    assert line.startswith(f"{c['holds']} hold, {c['fails']} fail, {c['inconclusive']} inconclusive of "
+                           f"{c['holds'] + c['fails'] + c['inconclusive']}")
+    for f in found:  # every claim states the paper's number and its rule (unless it was not measured)
+        assert f["status"] == "not measured" or (f["paper"] and f["rule"] and f["measured"])
+        assert f["holds"] is {"holds": True, "fails": False}.get(f["status"])
 
 
 def test_fixes_rows_and_goal():
@@ -49,40 +196,3 @@ def test_fixes_rows_and_goal():
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": costly})[0]["goal_met"]
     weak = model(kv=4, window=9, mean=0.5, gap=10)  # flat but worse than the baseline's lower bound
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": weak})[0]["goal_met"]
-
-
-def test_transformers_model_gets_no_verdict_when_its_compressed_layers_are_unused():
-    """A transformers model's phase claim is judged only when knockouts show its compressed layers do the lookup;
-    a flat curve from a model whose compressed layer is unused is 'no verdict', not 'not reproduced'."""
-    def arch(drops, flat):
-        m = model(stride=4, window=4, gap=1 if flat else 40, period=1 if flat else 4)
-        m["prefix"]["flatness_p"] = 1.0 if flat else 0.001
-        rows = [{"layer": layer, "kv_head": head, "mean_rel_change_pct": d} for (layer, head), d in drops.items()]
-        return {**m, "family": "transformers", "architecture": "X", "compressed_layers": [1],
-                "knockout": {"rows": rows}}
-
-    found = findings({"unused": arch({(0, 0): -40.0, (1, 0): -0.4, (1, 1): 8.0}, flat=True),
-                      "used-flat": arch({(0, 0): -1.0, (1, 0): -35.0}, flat=True),
-                      "used-periodic": arch({(1, 0): -90.0}, flat=False),
-                      "no-knockout": {**arch({}, flat=False), "knockout": None}})
-    verdict = {f["claim"].split(":")[0]: f for f in found}
-    assert verdict["unused"]["holds"] is None and verdict["unused"]["why"].startswith("no verdict")
-    assert "NO VERDICT" in verdict["unused"]["measured"]
-    assert verdict["used-flat"]["holds"] is False and "why" not in verdict["used-flat"]
-    assert verdict["used-periodic"]["holds"] is True and verdict["no-knockout"]["holds"] is True
-
-
-def test_gate_cycling_verdict_is_inconclusive_when_intervals_span_the_bar():
-    def cycled(rows):
-        m = model(shared=True)
-        m["cycling"] = {"deltas": [{"delta": 0, "r2_excl_boundary": 1.0, "r2_excl_boundary_ci": [1.0, 1.0]}] + [
-            {"delta": d, "r2_excl_boundary": r2, "r2_excl_boundary_ci": ci} for d, (r2, ci) in rows.items()]}
-        return m
-
-    wide = {d: (0.5, [-0.3, 0.9]) for d in (-2, -1, 1, 2)}
-    found = findings({"good": cycled({d: (0.95, [0.8, 0.98]) for d in (-2, -1, 1, 2)}), "wide": cycled(wide),
-                      "bad": cycled({d: (0.1, [-0.2, 0.4]) for d in (-2, -1, 1, 2)})})
-    verdict = {f["claim"].split(":")[0]: f for f in found if "gate cycling" in f["claim"]}
-    assert verdict["good"]["holds"] is True and verdict["bad"]["holds"] is False
-    assert verdict["wide"]["holds"] is None and verdict["wide"]["why"].startswith("inconclusive")
-    assert "[-0.30, 0.90]" in verdict["wide"]["measured"] and "4 of 4 deltas" in verdict["wide"]["claim"]

@@ -16,7 +16,7 @@ from phasekv.config import model_config_from_dict
 from phasekv.hf_config import PhaseKVConfig
 from phasekv.hf_model import HFPhaseKVForCausalLM
 from tests.helpers import bpe_tokenizer, tiny
-from tests.test_foundations import CHECKPOINTS
+from tests.test_checkpoint import CHECKPOINTS
 
 transformers = pytest.importorskip("transformers")
 

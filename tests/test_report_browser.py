@@ -56,16 +56,22 @@ def _model(stride: int, fail: tuple[int, ...], seed: int) -> dict:
     metrics = {}
     for protocol in ("prefix", "insequence"):
         m = summarize(shifted_records(curve, 20, seed=seed), stride=stride, n_boot=50, n_perm=50)
-        metrics[protocol] = {**m, **task_verdict(m, chance=1 / 64)}
+        metrics[protocol] = {**m, **task_verdict(m, chance=1 / 64, in_context_chance=0.04)}
     return {**metrics, "val_loss": 1.234}
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
     models = {"w4s4": _model(4, (2, 3), 0), "w8s6": _model(6, (0, 4, 5), 1), "w8s8": _model(8, (3,), 2)}
-    findings = [{"claim": "w8s8: detected period equals the stride S = 8", "measured": "period 8", "holds": True},
-                {"claim": "w8s6: phase gap >= 90 points", "measured": "gap 80 pp", "holds": False},
-                {"claim": "cycling on shared payloads", "measured": "no shared-payload model", "holds": None}]
+    findings = [{"claim": "w8s8: phase sensitive with period S = 8", "paper": "period S", "rule": "period = 8",
+                 "measured": "period 8", "status": "holds", "holds": True},
+                {"claim": "w8s6: phase gap >= 90 points", "paper": "90", "rule": "gap >= 90", "measured": "gap 80 pp",
+                 "status": "fails", "holds": False},
+                {"claim": "w4s4: worst phase below 20%", "paper": "5.7%", "rule": "interval below 20%",
+                 "measured": "worst 19% [12, 26]", "status": "inconclusive", "holds": None,
+                 "why": "inconclusive: interval spans the bar"},
+                {"claim": "cycling on shared payloads", "measured": "no shared-payload model", "status": "not measured",
+                 "holds": None}]
     summary = {"models": models, "findings": findings, "settings": {"quick": True}, "elapsed_s": 1.0}
     return write_report(summary, tmp_path_factory.mktemp("report"))
 
@@ -116,7 +122,8 @@ def test_report_reads_top_down(report):
     order = [page.index(mark) for mark in ("id='findings'", "<p class='note'>", "id='models'", "id='phase-heatmap'",
                                            "id='prefix'", "id='insequence'")]
     assert order == sorted(order)
-    assert page.count("<li><b>") == 3 and "not measured" in page
+    assert page.count("<li><b>") == 3 and "not measured" in page and "1 hold, 1 fail, 1 inconclusive of 3" in page
     assert page.count("<img ") == page.count('<img alt="') == 3
     w8s8 = re.search(r"<li><b>w8s8</b>: (.*?)</li>", page).group(1)
-    assert w8s8.startswith("mean ") and "chance 1.6%" in w8s8 and "period 8" in w8s8 and "phase sensitive" in w8s8
+    assert w8s8.startswith("mean ") and "in-context chance 4.0%" in w8s8 and "period 8" in w8s8
+    assert "phase sensitive" in w8s8

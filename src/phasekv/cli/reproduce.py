@@ -24,17 +24,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> None:
+    from phasekv.report.findings import count_line
     from phasekv.report.reproduce import reproduce
 
     if args.jobs < 1:
         raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
     summary = reproduce(args.out, args.checkpoints, args.models, args.train, args.configs, args.bundle,
                         args.quick, args.seed, not args.no_progress, args.jobs, args.force)
-    measured = [f for f in summary["findings"] if f["holds"] is not None]
-    held = sum(f["holds"] for f in measured)
-    missing = len(summary["findings"]) - len(measured)
-    sys.stdout.write(f"{held}/{len(measured)} findings reproduced" + (f" ({missing} not measured: models missing)"
-                     if missing else "") + f"; report: {Path(args.out) / 'report.html'}\n")
-    for f in measured:
-        if not f["holds"]:
-            sys.stdout.write(f"  not reproduced: {f['claim']}: {f['measured']}\n")
+    sys.stdout.write(f"{count_line(summary['findings'])}; report: {Path(args.out) / 'report.html'}\n")
+    for f in summary["findings"]:
+        if f["status"] in ("fails", "inconclusive"):
+            sys.stdout.write(f"  {f['status']}: {f['claim']}: {f['measured']}\n")

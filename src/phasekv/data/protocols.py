@@ -1,4 +1,4 @@
-"""Evaluation prompt sets of the controlled lookup task: prefix and in-sequence padding (PAPER.md s. 3).
+"""Evaluation prompt sets of the controlled lookup task: prefix and in-sequence padding (docs/science.md s. 3).
 
 A prompt is a sequence of the lookup family (`phasekv.data.lookup.assemble`): <bos>, N records with
 fillers around them, D demonstrations (key-value queries of records that are not targets of the
@@ -135,6 +135,15 @@ class EvalSet:
     def chance(self) -> float:
         """Accuracy of guessing the answer uniformly: 1 / number of possible answer tokens."""
         return 1.0 / len(self.vocab.group("values"))
+
+    @property
+    def in_context_chance(self) -> float:
+        """Accuracy of a model that copies a uniformly random value present in its prompt, computed exactly: the
+        mean over prompts of 1 / (distinct answer tokens among the context's records).  The capability gate's
+        baseline: a prompt of 32 records over 64 values holds ~26 distinct values, so this is ~2.5x `chance`."""
+        start = self.settings["key_tokens"]  # a record's value starts right after its key
+        total = sum(len(c.queries) / len({c.ids[p + start] for p in c.record_positions}) for c in self.contexts)
+        return total / sum(len(c.queries) for c in self.contexts)
 
     @property
     def query_position(self) -> int:

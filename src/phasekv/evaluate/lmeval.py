@@ -108,6 +108,7 @@ def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: 
     summary = {"task": name, "tokenizer": tokenizer_path, "format": format_name, "protocol": cfg.protocol,
                "stride": eval_set.stride, "residue_modulus": eval_set.residue_modulus, "n_prompts": len(docs),
                "prompt_length": eval_set.prompt_length, "chance": eval_set.chance,
+               "in_context_chance": eval_set.in_context_chance,
                "settings": {k: v for k, v in eval_set.settings.items() if k != "vocab"}}
     with output_dir(out, force) as tmp:
         with open(tmp / "prompts.jsonl", "w") as f:

@@ -1,4 +1,4 @@
-"""Statistics of the phase-sensitivity evaluation (PAPER.md sections 3 and 6).
+"""Statistics of the phase-sensitivity evaluation (docs/science.md sections 3 and 6).
 
 Input: one record per prompt with `cluster` (id of the logical example that is shown at several
 shifts), `target_position` (absolute token position of the target key, counting every filler and
@@ -14,7 +14,7 @@ What `summarize` computes, and why:
   (equal to the prompt-level mean when the groups have equal size, as both protocols make them).
 * `max_gap_pp`: best minus worst residue group in percentage points (the paper's phase gap);
   `phase_gap_pp`: the same over the phases mod S.
-* Cluster bootstrap (PAPER.md section 3): the prompts of one logical example are correlated (an
+* Cluster bootstrap (docs/science.md section 3): the prompts of one logical example are correlated (an
   easy example is right at every shift), so the resampling unit is the cluster.  95% percentile
   intervals for the mean and both gaps.  The max-minus-min gap is biased upward by noise (the range
   of R noisy estimates is positive even for a flat truth), so `gap_ci_pp` says how precisely the
@@ -464,24 +464,64 @@ def nan_interval(samples: np.ndarray) -> list[float] | None:
     return None if samples.size < 20 else [float(x) for x in np.percentile(samples, [2.5, 97.5])]
 
 
-CHANCE_FACTOR = 2.0  # "clearly above chance": the lower end of the mean's 95% interval exceeds 2 x chance
+# The verdict (docs/science.md section 3, "Chance levels and the verdict") has three parts, each with its number:
+CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
+FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
+MATERIAL_GAP_PP = 10.0  # 3. material: the gap's lower bound >= 10 pp AND the gap above the null's 95th percentile
 
 
-def task_verdict(metrics: dict, chance: float) -> dict:
-    """`chance`, `can_do_task` and a one-line `verdict` for a summary of `summarize`.
+def material_gap_bound(metrics: dict) -> tuple[float, list[float] | None, str]:
+    """(lower bound, interval, name) of the gap a verdict trusts: the selection-free cross-fit gap's 95%
+    interval (conservative: it covered the true gap in 98-100% of simulated runs, see the module doc), else
+    the basic bootstrap interval (too few clusters to split)."""
+    ci = metrics.get("gap_crossfit_ci_pp")
+    if ci is not None:
+        return ci[0], ci, "selection-free gap"
+    ci = metrics["gap_ci_basic_pp"]
+    return ci[0], ci, "gap (basic bootstrap)"
 
-    A model that cannot do the task says nothing about phase: its verdict names the accuracy and the
-    chance level and makes no flatness or period claim."""
+
+def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable: bool | None = None) -> dict:
+    """`chance`, `in_context_chance`, `can_do_task`, `phase_sensitive`, `verdict_parts` and a one-line `verdict` for a
+    summary of `summarize`.
+
+    chance: the format's 1 / |answer tokens|; in_context_chance: the accuracy of a model that copies a uniformly
+    random value present in the prompt (`EvalSet.in_context_chance`), the baseline the capability gate uses.
+    "phase sensitive: period P" needs all three parts (module constants) and P > 1; otherwise the verdict says
+    which part is missing.  A model that cannot do the task says nothing about phase: no flatness or period claim.
+    `capable`: the model passed the gate in another condition (a compressed cache of a model that does the task
+    uncompressed): a collapse to chance at most phases is then the finding, so the phase parts are judged even when
+    this condition's mean is below the gate, and a condition below it at every phase says "retrieval destroyed".
+    """
     mean, low = metrics["mean_accuracy"], metrics["mean_ci"][0]
-    able = low > CHANCE_FACTOR * chance
-    if not able:
-        verdict = (f"cannot do the task (accuracy {100 * mean:.1f}%, chance {100 * chance:.1f}%): "
-                   "no phase verdict")
-    elif metrics["flatness_p"] < 0.05:
-        verdict = (f"phase sensitive: period {metrics['detected_period']}, gap {metrics['max_gap_pp']:.1f} pp "
-                   f"(flatness p = {metrics['flatness_p']:.3g}; accuracy {100 * mean:.1f}%, chance "
-                   f"{100 * chance:.1f}%)")
+    able = low > CHANCE_FACTOR * in_context_chance
+    judged = able if capable is None else capable
+    dependent = judged and metrics["flatness_p"] < FLATNESS_ALPHA
+    bound, ci, gap_name = material_gap_bound(metrics)
+    material = dependent and bound >= MATERIAL_GAP_PP and metrics["max_gap_pp"] > metrics["null_gap_p95_pp"]
+    period = metrics["detected_period"]
+    sensitive = material and period > 1
+    tail = (f"accuracy {100 * mean:.1f}%, in-context chance {100 * in_context_chance:.1f}%, format chance "
+            f"{100 * chance:.1f}%")
+    gap = (f"gap {metrics['max_gap_pp']:.1f} pp, {gap_name} {_interval(ci)} pp (minimum {MATERIAL_GAP_PP:.0f}), "
+           f"null 95th percentile {metrics['null_gap_p95_pp']:.1f} pp, flatness p = {metrics['flatness_p']:.3g}")
+    if sensitive:
+        verdict = f"phase sensitive: period {period}, {gap} ({tail})"
+    elif not judged:
+        verdict = f"cannot do the task ({tail}): no phase verdict"
+    elif not able:
+        verdict = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
+    elif not dependent:
+        verdict = f"no phase effect detected: {gap} ({tail})"
+    elif not material:
+        verdict = f"a small phase effect, not material: {gap} ({tail})"
     else:
-        verdict = (f"no phase effect detected: gap {metrics['max_gap_pp']:.1f} pp, flatness p = "
-                   f"{metrics['flatness_p']:.3g} (accuracy {100 * mean:.1f}%, chance {100 * chance:.1f}%)")
-    return {"chance": round(float(chance), 10), "can_do_task": bool(able), "verdict": verdict}
+        verdict = f"a material phase effect without a period (detected period 1): {gap} ({tail})"
+    parts = {"can_do_task": bool(able), "phase_dependent": bool(dependent), "material": bool(material),
+             "period": int(period) if judged else None}
+    return {"chance": round(float(chance), 10), "in_context_chance": round(float(in_context_chance), 10),
+            "can_do_task": bool(able), "phase_sensitive": bool(sensitive), "verdict_parts": parts, "verdict": verdict}
+
+
+def _interval(ci: list[float] | None) -> str:
+    return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"

@@ -105,12 +105,12 @@ def evaluate(adapter: Adapter, eval_set: EvalSet, out: str | Path | None = None,
 
 def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]], out: str | Path | None,
               seed: int = 0, n_boot: int = 2000, extra: dict[str, Any] | None = None,
-              judge: Callable[[dict, float], dict] = task_verdict, figures: bool = True) -> dict[str, Any]:
+              judge: Callable[[dict, float, float], dict] = task_verdict, figures: bool = True) -> dict[str, Any]:
     """metrics.json (statistics + position matching + settings + `judge`'s chance and verdict),
     predictions.jsonl and (with `figures`) the figure."""
     metrics = summarize(records, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
                         n_boot=n_boot, seed=seed)
-    metrics.update(judge(metrics, eval_set.chance))
+    metrics.update(judge(metrics, eval_set.chance, eval_set.in_context_chance))
     metrics.update({
         "protocol": eval_set.protocol,
         "model": adapter.info.name,

@@ -1,43 +1,93 @@
-"""The paper's claims (PAPER.md section 6) checked on `reproduce`'s measured models.
+"""The paper's claims (docs/science.md section 6) as findings, judged on `reproduce`'s measured models.
 
-Per model: full attention learns and is flat, compressed models have period S, uniform averaging is
-still phase sensitive.  Then the paper's ORDERINGS, each between models that differ in one thing only
-(same KV heads, layers and width; `family`):
+A finding is data: the claim, the paper's number it tests, the rule (a threshold on a measured quantity with its
+95% interval), the measured value and interval, and a `status` decided by ONE rule for every claim:
 
-* gap(W8/S4) < gap(W8/S8)                 overlapping windows cover more phases;
-* gap(W12/S12) < gap(W8/S8)               the paper's 63 < 75 (more offsets per entry, fewer entries);
-* mean(uniform) < mean(learned gates)     W8/S8 with and without gates;
-* mean(full, more KV heads) > mean(full, 1 KV head);
-* covered phases grow with compressor heads (W8/S8, layers x KV heads);
-* a graded W8/S8 curve: >= S/2 phases above 3 x chance, worst below half the best, period S;
-* gate cycling R^2 >= 0.66 excluding the boundary phase for >= 4 of 6 deltas (shared payload maps).
+    holds         the interval lies on the claimed side of the threshold
+    fails         the interval lies on the other side
+    inconclusive  the interval spans the threshold (or the model cannot do the task, so the claim means nothing)
+    not measured  the models it needs were not measured
 
-Each finding carries the measured numbers with their 95% cluster-bootstrap intervals and `holds`
-(the point estimates are in the claimed order); `clear` says whether the intervals are disjoint too.
-An ordering whose models were not measured is reported with holds = None ("not measured"), never
-silently dropped.
+Intervals: the mean's cluster bootstrap, the selection-free (cross-fit) gap's bootstrap, Wilson per phase;
+orderings judge the DIFFERENCE of two models with the normal approximation of its interval (the two models'
+half-widths added in quadrature: independent evaluations).  Counts keep every status ("27 hold, 3 fail,
+5 inconclusive of 35").  `holds` mirrors status (True / False / None) for readers of older summaries.
+
+The claims (thresholds are the paper's numbers or phasekv's stated verdict constants, never tuned to pass):
+
+* full attention learns the task (mean above the capability gate: 2 x the in-context chance; the paper's
+  baselines reach 18.8% at 1 KV head and 61.1% at 8) and is flat (selection-free gap below 6.1 pp, the paper's
+  largest full-attention gap; inconclusive for a model that cannot do the task: flatness near a copier is empty);
+* every compressed model is phase sensitive with period S (the three-part verdict of `metrics.task_verdict`
+  and detected period = S); uniform averaging is still phase sensitive (gap lower bound >= 10 pp; paper 19.2);
+* the W8/S8 shape: worst phase below 20% (paper 5.7% at 1 KV, 9.9% at 8), at least 3 phases above 40% (the
+  paper's mean 50.6% with no phase above 5.7 + 75.3 = 81% forces 3), and a within-window spread of phases
+  0..S-2 above 50 pp (the paper's: key and value of those phases share one entry, so the boundary alone does not
+  explain the curve);
+* orderings: gap(W8/S4) < gap(W8/S8), gap(W12/S12) < gap(W8/S8) (63 < 75), mean(uniform) < mean(learned gates),
+  mean(full, more KV heads) > mean(full, 1 KV) (61.1 > 18.8); covered phases (Wilson interval above 40%) grow with
+  compressor heads;
+* gate cycling: R^2 >= 0.66 excluding the boundary phase for >= 4 of 6 shifts (paper 0.66-1.00), on per-offset
+  payload maps (the paper's kernel) and on shared payloads alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-COVERED_FACTOR = 3.0  # a phase is "covered" when its accuracy exceeds 3 x chance
+from phasekv.evaluate.metrics import CHANCE_FACTOR, MATERIAL_GAP_PP, material_gap_bound
+
+FULL_FLAT_PP = 6.1  # the paper's largest full-attention phase gap
+W8S8_WORST_PCT = 20.0  # the paper's W8/S8 worst phases: 5.7% (1 KV), 9.9% (8 KV)
+WITHIN_WINDOW_PP = 50.0  # the paper: phases 0..6 of W8/S8 spread by more than 50 points
+COVERED_PCT = 40.0  # a phase is covered when its accuracy is above 40% (Wilson interval)
+W8S8_COVERED = 3  # phases above 40% that the paper's W8/S8 numbers force
 CYCLING_R2 = 0.66  # the paper's lowest R^2 excluding the boundary phase
 CYCLING_DELTAS_NEEDED = 4  # of the 6 non-zero deltas
+STATUSES = ("holds", "fails", "inconclusive", "not measured")
 
 
-def covered_phases(result: dict[str, Any]) -> int:
-    """Phases of a protocol result whose accuracy exceeds COVERED_FACTOR x chance."""
-    return sum(row["accuracy"] > COVERED_FACTOR * result["chance"] for row in result["per_phase"])
+def judge(interval: list[float] | None, threshold: float, above: bool = True) -> str:
+    """The one rule: 'holds' when the interval lies on the claimed side of the threshold (above it, or below it
+    with above=False), 'fails' when it lies on the other side, 'inconclusive' when it spans it."""
+    if interval is None:
+        return "inconclusive"
+    low, high = interval
+    if above:
+        return "holds" if low >= threshold else "fails" if high < threshold else "inconclusive"
+    return "holds" if high < threshold else "fails" if low >= threshold else "inconclusive"
 
 
-def is_graded(result: dict[str, Any], stride: int) -> bool:
-    """The paper's shape: at least half the phases covered, the worst below half the best, period S."""
-    acc = [row["accuracy"] for row in result["per_phase"]]
-    return (covered_phases(result) >= stride / 2 and min(acc) < max(acc) / 2
-            and result["detected_period"] == stride)
+def difference_interval(a: float, ci_a: list[float] | None, b: float, ci_b: list[float] | None) -> list[float] | None:
+    """95% interval of b - a from the two models' own intervals (normal approximation, independent models)."""
+    if ci_a is None or ci_b is None:
+        return None
+    half = math.hypot((ci_a[1] - ci_a[0]) / 2, (ci_b[1] - ci_b[0]) / 2)
+    return [b - a - half, b - a + half]
+
+
+def count(found: list[dict[str, Any]]) -> dict[str, int]:
+    """Findings per status (every status present, zeros included)."""
+    return {status: sum(f["status"] == status for f in found) for status in STATUSES}
+
+
+def count_line(found: list[dict[str, Any]]) -> str:
+    """'27 hold, 3 fail, 5 inconclusive of 35 (2 not measured)'."""
+    c = count(found)
+    judged = c["holds"] + c["fails"] + c["inconclusive"]
+    line = f"{c['holds']} hold, {c['fails']} fail, {c['inconclusive']} inconclusive of {judged}"
+    return line + (f" ({c['not measured']} not measured: models missing)" if c["not measured"] else "")
+
+
+def _finding(claim: str, paper: str, rule: str, measured: str, status: str, value: float | None = None,
+             interval: list[float] | None = None, threshold: float | None = None, why: str | None = None,
+             **extra: Any) -> dict[str, Any]:
+    assert status in STATUSES, status
+    return {"claim": claim, "paper": paper, "rule": rule, "measured": measured, "status": status,
+            "holds": {"holds": True, "fails": False}.get(status), "value": value, "interval": interval,
+            "threshold": threshold, **({"why": why} if why else {}), **extra}
 
 
 def family(m: dict[str, Any]) -> tuple:
@@ -61,114 +111,127 @@ def kind(m: dict[str, Any]) -> str:
     return " ".join([base, *extras])
 
 
-def _value(m: dict[str, Any], metric: str) -> tuple[float, list[float] | None]:
-    p = m["prefix"]
-    if metric == "gap":
-        return p["max_gap_pp"], p.get("gap_ci_pp")
+def _ci(ci: list[float] | None, digits: int = 1) -> str:
+    return "" if ci is None else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def _curve(p: dict[str, Any]) -> str:
+    return "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"])
+
+
+def _gap(p: dict[str, Any]) -> tuple[float, list[float] | None]:
+    """The selection-free gap a verdict trusts and its interval (pp)."""
+    _, ci, _ = material_gap_bound(p)
+    value = p.get("gap_crossfit_pp")
+    return (p["max_gap_pp"] if value is None else value), ci
+
+
+def _mean(p: dict[str, Any]) -> tuple[float, list[float] | None]:
     return 100 * p["mean_accuracy"], [100 * x for x in p["mean_ci"]] if p.get("mean_ci") else None
 
 
-def _pairs(models: dict[str, dict], first: Callable[[dict], bool], second: Callable[[dict], bool]):
-    """(name_a, name_b) for every model a matching `first` and b matching `second` of the same family."""
-    return [(a, b) for a, ma in models.items() for b, mb in models.items()
-            if a != b and first(ma) and second(mb) and family(ma) == family(mb)]
+def _gate(p: dict[str, Any]) -> float:
+    """The capability gate in %: 2 x the in-context chance (the format's chance for summaries that predate it)."""
+    return 100 * CHANCE_FACTOR * p.get("in_context_chance", p["chance"])
 
 
-def _ordering(models, text: str, metric: str, less: Callable[[dict], bool], more: Callable[[dict], bool],
-              claim: Callable[..., None]) -> None:
-    """Claim metric(less-model) < metric(more-model) for every same-family pair."""
-    pairs = _pairs(models, less, more)
-    if not pairs:
-        claim(text, "not measured: no pair of bundled models of the same size", None)
-    for a, b in pairs:
-        (va, ca), (vb, cb) = _value(models[a], metric), _value(models[b], metric)
-        unit = "pp" if metric == "gap" else "%"
-        clear = ca is not None and cb is not None and ca[1] < cb[0]
-        claim(f"{text} ({a} vs {b})", f"{metric} {va:.1f} {unit} {_ci(ca)} vs {vb:.1f} {unit} {_ci(cb)}", va < vb,
-              models=[a, b], values=[va, vb], intervals=[ca, cb], clear=clear)
+def _unable(p: dict[str, Any]) -> str | None:
+    """Why a phase claim about this protocol result is empty (the model cannot do the task), else None."""
+    if p.get("can_do_task", True):
+        return None
+    return f"inconclusive: cannot do the task (mean {100 * p['mean_accuracy']:.1f}% vs gate {_gate(p):.1f}%)"
 
 
-def _ci(ci: list[float] | None) -> str:
-    return "" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+def learns(name: str, p: dict[str, Any], paper: str) -> dict[str, Any]:
+    value, ci = _mean(p)
+    gate = _gate(p)
+    return _finding(f"{name}: learns the task (mean above 2 x in-context chance)", paper,
+                    f"mean's 95% interval above {gate:.1f}% (2 x in-context chance)",
+                    f"mean {value:.1f}% {_ci(ci)}", judge(ci, gate), value, ci, gate)
 
 
-def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The paper's orderings between same-family models (module doc)."""
-    out: list[dict[str, Any]] = []
-
-    def claim(text: str, measured: str, holds: bool | None, **numbers: Any) -> None:
-        out.append({"claim": text, "measured": measured, "holds": holds, "ordering": True, **numbers})
-
-    def is_kind(name: str) -> Callable[[dict], bool]:
-        return lambda m: kind(m) == name
-
-    _ordering(models, "gap(W8/S4) < gap(W8/S8)", "gap", is_kind("W8/S4"), is_kind("W8/S8"), claim)
-    _ordering(models, "gap(W12/S12) < gap(W8/S8) (paper: 63 < 75)", "gap", is_kind("W12/S12"), is_kind("W8/S8"),
-              claim)
-    _ordering(models, "mean(W8/S8 uniform) < mean(W8/S8 learned gates)", "mean", is_kind("W8/S8 uniform"),
-              is_kind("W8/S8"), claim)
-    full = [(n, m) for n, m in models.items() if m["compressor"] == "none"]
-    pairs = [(a, b) for a, ma in full for b, mb in full
-             if ma["kv_heads"] < mb["kv_heads"] and _without_kv(ma) == _without_kv(mb)]
-    if not pairs:
-        claim("mean(full, more KV heads) > mean(full, 1 KV head)", "not measured: one full-attention model", None)
-    for a, b in pairs:
-        (va, ca), (vb, cb) = _value(models[a], "mean"), _value(models[b], "mean")
-        claim(f"mean(full, {models[b]['kv_heads']} KV) > mean(full, {models[a]['kv_heads']} KV) ({b} vs {a})",
-              f"mean {vb:.1f}% {_ci(cb)} vs {va:.1f}% {_ci(ca)}", vb > va, models=[b, a], values=[vb, va],
-              intervals=[cb, ca], clear=ca is not None and cb is not None and ca[1] < cb[0])
-    _coverage(models, claim)
-    _graded(models, claim)
-    _cycling(models, claim)
-    return out
+def flat(name: str, p: dict[str, Any]) -> dict[str, Any]:
+    value, ci = _gap(p)
+    why = _unable(p)
+    return _finding(f"{name}: full attention is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
+                    "4.3 at 8 KV)", f"selection-free gap's 95% interval below {FULL_FLAT_PP} pp, for a model that "
+                    "can do the task", f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
+                    "inconclusive" if why else judge(ci, FULL_FLAT_PP, above=False), value, ci, FULL_FLAT_PP, why)
 
 
-def _coverage(models: dict[str, dict], claim: Callable[..., None]) -> None:
-    """Covered phases grow with the number of compressor heads (layers x KV heads), W8/S8 models."""
-    rows = sorted((m["layers"] * m["kv_heads"], covered_phases(m["prefix"]), n)
-                  for n, m in models.items() if kind(m) == "W8/S8")
-    if len({heads for heads, _, _ in rows}) < 2:
-        claim("covered phases (> 3 x chance) grow with compressor heads", "not measured: one W8/S8 size", None)
-        return
-    text = ", ".join(f"{n}: {heads} heads -> {covered} of 8" for heads, covered, n in rows)
-    by_heads: dict[int, list[int]] = {}
-    for heads, covered, _ in rows:
-        by_heads.setdefault(heads, []).append(covered)
-    means = [sum(v) / len(v) for _, v in sorted(by_heads.items())]
-    claim("covered phases (> 3 x chance) grow with compressor heads (W8/S8)", text,
-          all(a < b for a, b in zip(means, means[1:])), covered=[[h, c, n] for h, c, n in rows])
+def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
+    """Status of "phase sensitive with period S": the three-part verdict on the interval rule (fails when flatness
+    is not rejected or the gap's whole interval is below the minimum; inconclusive while it spans the minimum), then
+    the detected period must equal S."""
+    why = _unable(p)
+    if why:
+        return "inconclusive", why
+    _, ci = _gap(p)
+    if p["flatness_p"] >= 0.05:
+        return "fails", None
+    material = judge(ci, MATERIAL_GAP_PP)
+    if material != "holds":
+        return material, None if material == "fails" else "inconclusive: the gap's interval spans the minimum"
+    return ("holds" if p["detected_period"] == stride else "fails"), None
 
 
-def _graded(models: dict[str, dict], claim: Callable[..., None]) -> None:
-    """At least one W8/S8 model has the paper's graded shape."""
-    rows = [(n, m) for n, m in models.items() if m.get("window") == 8 and m.get("stride") == 8
-            and m["compressor"] == "gated"]
-    graded = [n for n, m in rows if is_graded(m["prefix"], 8)]
-    text = "; ".join(f"{n}: {covered_phases(m['prefix'])} of 8 covered, per phase "
-                     + " ".join(f"{100 * r['accuracy']:.0f}" for r in m["prefix"]["per_phase"]) for n, m in rows)
-    claim("a W8/S8 model has a graded curve (>= 4 of 8 phases above 3 x chance, worst < best / 2, period 8)",
-          text or "not measured: no W8/S8 model", bool(graded) if rows else None, graded=graded)
+def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None, extra: str = "") -> dict[str, Any]:
+    p, stride = m["prefix"], m["stride"]
+    value, ci = _gap(p)
+    status, why = phase_status(p, stride)
+    return _finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
+                    f"can do the task, flatness rejected at 5%, selection-free gap's interval >= {MATERIAL_GAP_PP:.0f}"
+                    f" pp, detected period = {stride}",
+                    f"mean {100 * p['mean_accuracy']:.1f}%, gap {value:.1f} pp {_ci(ci)}, period "
+                    f"{p['detected_period']}, flatness p = {p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value,
+                    ci, MATERIAL_GAP_PP, why)
 
 
-def _cycling(models: dict[str, dict], claim: Callable[..., None]) -> None:
-    """Gate cycling works on shared-payload models: R^2 >= 0.66 (boundary excluded) for >= 4 of 6 deltas."""
-    rows = [(n, m["cycling"]) for n, m in models.items() if m.get("cycling") and m.get("shared_payload")]
-    if not rows:
-        claim(f"gate cycling R^2 >= {CYCLING_R2} (boundary excluded) on a shared-payload model",
-              "not measured: no shared-payload W = S model", None)
-    for n, cyc in rows:
-        r2 = {row["delta"]: row["r2_excl_boundary"] for row in cyc["deltas"] if row["delta"] != 0}
-        ci = {row["delta"]: row.get("r2_excl_boundary_ci") for row in cyc["deltas"] if row["delta"] != 0}
-        good = sum(v is not None and v >= CYCLING_R2 for v in r2.values())
-        # a delta clearly below the bar: its whole 95% interval is (a model that cannot be cycled)
-        clearly_bad = sum(ci[d] is not None and ci[d][1] < CYCLING_R2 for d in r2)
-        need = min(CYCLING_DELTAS_NEEDED, len(r2))
-        holds = True if good >= need else False if len(r2) - clearly_bad < need else None
-        measured = ", ".join(f"{d:+d}: {'-' if v is None else f'{v:.2f}'}"
-                             + (f" [{ci[d][0]:.2f}, {ci[d][1]:.2f}]" if ci[d] else "") for d, v in sorted(r2.items()))
-        claim(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {need} of "
-              f"{len(r2)} deltas", measured, holds, r2=r2, deltas_ok=good,
-              **({} if holds is not None else {"why": "inconclusive: intervals span the bar"}))
+def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
+    value, ci = _gap(p)
+    why = _unable(p)
+    return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
+                    f"selection-free gap's 95% interval >= {MATERIAL_GAP_PP:.0f} pp, for a model that can do the task",
+                    f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
+                    "inconclusive" if why else judge(ci, MATERIAL_GAP_PP), value, ci, MATERIAL_GAP_PP, why)
+
+
+def _phase_ci(row: dict[str, Any]) -> list[float]:
+    return [100 * row["ci_low"], 100 * row["ci_high"]]
+
+
+def w8s8_shape(name: str, p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's W8/S8 shape: its worst phase, and the spread of phases 0..S-2 (within one window)."""
+    rows, why = p["per_phase"], _unable(p)
+    worst = min(rows, key=lambda r: r["accuracy"])
+    above = sum(r["ci_low"] * 100 >= COVERED_PCT for r in rows)
+    shape = (f"mean {100 * p['mean_accuracy']:.1f}%, worst phase {worst['phase']} at {100 * worst['accuracy']:.1f}% "
+             f"{_ci(_phase_ci(worst))}, {above} of {len(rows)} phases above {COVERED_PCT:.0f}%; {_curve(p)}")
+    clearly, possibly = covered_phases(p)
+    covered = "inconclusive" if why else ("holds" if clearly >= W8S8_COVERED else "fails" if possibly < W8S8_COVERED
+                                          else "inconclusive")
+    inner = rows[:-1]  # phases 0..S-2: key and value in one entry
+    best, low = max(inner, key=lambda r: r["accuracy"]), min(inner, key=lambda r: r["accuracy"])
+    spread = 100 * (best["accuracy"] - low["accuracy"])
+    spread_ci = [100 * (best["ci_low"] - low["ci_high"]), 100 * (best["ci_high"] - low["ci_low"])]
+    return [
+        _finding(f"{name}: W8/S8 worst phase below {W8S8_WORST_PCT:.0f}%", "worst phase 5.7% (1 KV), 9.9% (8 KV); "
+                 "mean 50.6% / 59.4%", f"worst phase's Wilson 95% interval below {W8S8_WORST_PCT:.0f}%", shape,
+                 "inconclusive" if why else judge(_phase_ci(worst), W8S8_WORST_PCT, above=False),
+                 100 * worst["accuracy"], _phase_ci(worst), W8S8_WORST_PCT, why),
+        _finding(f"{name}: W8/S8 at least {W8S8_COVERED} phases above {COVERED_PCT:.0f}%", "mean 50.6% with no phase "
+                 "above 81% (worst 5.7 + gap 75.3): at least 3 of 8 phases above 40%",
+                 f">= {W8S8_COVERED} phases whose Wilson interval is above {COVERED_PCT:.0f}% holds; fewer than "
+                 f"{W8S8_COVERED} reaching it fails",
+                 f"{clearly} phases clearly, {possibly} possibly above {COVERED_PCT:.0f}%; {_curve(p)}", covered,
+                 clearly, [clearly, possibly], W8S8_COVERED, why),
+        _finding(f"{name}: W8/S8 within-window spread (phases 0..6) above {WITHIN_WINDOW_PP:.0f} pp",
+                 "phases 0..6 spread by more than 50 pp", f"best minus worst of phases 0..6, interval from their "
+                 f"Wilson intervals, above {WITHIN_WINDOW_PP:.0f} pp",
+                 f"phase {best['phase']} {100 * best['accuracy']:.1f}% - phase {low['phase']} "
+                 f"{100 * low['accuracy']:.1f}% = {spread:.1f} pp {_ci(spread_ci)}",
+                 "inconclusive" if why else judge(spread_ci, WITHIN_WINDOW_PP), spread, spread_ci, WITHIN_WINDOW_PP,
+                 why)]
 
 
 # a layer takes part in the lookup when knocking out one of its heads (or the whole layer) costs at least this
@@ -184,48 +247,145 @@ def compressed_layer_drop(m: dict[str, Any]) -> float | None:
     return min(r["mean_rel_change_pct"] for r in rows) if rows else None
 
 
+def _transformers_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
+    """transformers' compressed model: phase sensitive with period S, judged only when its compressed layers do the
+    lookup (a flat curve from a model that routes around them says nothing about the compression)."""
+    drop = compressed_layer_drop(m)
+    unused = drop is not None and drop > -USED_DROP_PCT
+    claim = (f"{name}: transformers' {m['architecture']} with {m['compressor']} (W{m['window']}/S{m['stride']}) is "
+             f"phase sensitive with period S = {m['stride']}")
+    note = (f"; NO VERDICT: knocking out any head of its compressed layers {m['compressed_layers']} costs at most "
+            f"{max(0.0, -drop):.0f}% (< {USED_DROP_PCT:.0f}%): the lookup does not go through them") if unused else ""
+    f = periodic(name, m, "DeepSeek-V4 needle gaps 40.2 pp (Flash-Base) ... 6.1 pp (V4.1-Flash)", claim, note)
+    if unused:
+        f.update(status="inconclusive", holds=None, why="no verdict: compressed layers unused")
+    return f
+
+
 def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every claim: per model (learns, flat, period S, uniform still phase sensitive), then the orderings."""
-    out = []
-
-    def claim(text: str, measured: str, holds: bool | None, why: str | None = None) -> None:
-        # holds None: no verdict, for the reason `why` (the report's verdict column)
-        out.append({"claim": text, "measured": measured, "holds": None if holds is None else bool(holds),
-                    **({"why": why} if why else {})})
-
+    """Every claim: per model (module doc), then the orderings."""
+    out: list[dict[str, Any]] = []
     for name, m in models.items():
         p = m["prefix"]
         if m["compressor"] == "none":
-            claim(f"{name}: full attention learns the task (mean >= 10%, chance {100 * p['chance']:.1f}%)",
-                  f"mean {100 * p['mean_accuracy']:.1f}%", p["mean_accuracy"] >= 0.10)
-            claim(f"{name}: full attention is flat (gap <= 6 points and flatness not rejected at 5%)",
-                  f"gap {p['max_gap_pp']:.1f} pp, flatness p = {p['flatness_p']:.3f}, within-example p = "
-                  f"{p.get('within_flatness_p', float('nan')):.3f}",
-                  p["max_gap_pp"] <= 6 and p["flatness_p"] > 0.05)
-            continue
-        if m.get("family") == "transformers":  # the code users ship: does it show the paper's effect?
-            drop = compressed_layer_drop(m)
-            unused = drop is not None and drop > -USED_DROP_PCT  # the lookup runs through other layers
-            claim(f"{name}: transformers' {m['architecture']} with {m['compressor']} (W{m['window']}/S{m['stride']}) "
-                  "is phase sensitive (flatness rejected at 5%, period S)",
-                  f"mean {100 * p['mean_accuracy']:.1f}% (chance {100 * p['chance']:.1f}%), gap {p['max_gap_pp']:.1f} "
-                  f"pp {_ci(p.get('gap_ci_pp'))}, period {p['detected_period']}, flatness p = {p['flatness_p']:.3g}, "
-                  "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"])
-                  + (f"; NO VERDICT: knocking out any head of its compressed layers {m['compressed_layers']} "
-                     f"costs at most {max(0.0, -drop):.0f}% (< {USED_DROP_PCT:.0f}%): the lookup does not go through "
-                     "them" if unused else ""),
-                  None if unused else p["flatness_p"] < 0.05 and p["detected_period"] == m["stride"],
-                  "no verdict: compressed layers unused" if unused else None)
-            continue
-        if m["stride"] and name not in FIXES:  # a fix aims at NO period: it is judged in the fixes table
-            claim(f"{name}: detected period equals the stride S = {m['stride']}",
-                  f"period {p['detected_period']}", p["detected_period"] == m["stride"])
-        if m["uniform"]:
-            claim(f"{name}: uniform averaging is still phase sensitive (flatness rejected at 5%)",
-                  f"gap {p['max_gap_pp']:.1f} pp, flatness p = {p['flatness_p']:.3g}", p["flatness_p"] < 0.05)
-        elif m["window"] == 8 and m["stride"] == 8 and m["kv_heads"] == 1:
-            claim(f"{name}: W8/S8 phase gap >= 30 points", f"gap {p['max_gap_pp']:.1f} pp", p["max_gap_pp"] >= 30)
+            out += [learns(name, p, "full attention 18.8% (1 KV), 61.1% (8 KV)"), flat(name, p)]
+        elif m.get("family") == "transformers":  # the code users ship: does it show the paper's effect?
+            out.append(_transformers_claim(name, m))
+        else:
+            if m["stride"] and name not in FIXES:  # a fix aims at NO period: it is judged in the fixes table
+                out.append(periodic(name, m, "every compressed model is periodic with period S (4, 6, 8, 12)"))
+            if m["uniform"]:
+                out.append(uniform_sensitive(name, p))
+            elif kind(m) == "W8/S8" and name not in FIXES:
+                out += w8s8_shape(name, p)
     return out + ordering_findings(models)
+
+
+def _ordering(models, text: str, paper: str, metric: str, less: Callable[[dict], bool],
+              more: Callable[[dict], bool]) -> list[dict[str, Any]]:
+    """Claim metric(less-model) < metric(more-model) for every same-family pair, on the difference's interval."""
+    pairs = [(a, b) for a, ma in models.items() for b, mb in models.items()
+             if a != b and less(ma) and more(mb) and family(ma) == family(mb)]
+    if not pairs:
+        return [_finding(text, paper, "", "not measured: no pair of bundled models of the same size", "not measured")]
+    return [_compare(models, f"{text} ({a} vs {b})", paper, metric, a, b) for a, b in pairs]
+
+
+def _compare(models, claim: str, paper: str, metric: str, a: str, b: str) -> dict[str, Any]:
+    """metric(a) < metric(b), judged on the 95% interval of metric(b) - metric(a)."""
+    value = _gap if metric == "gap" else _mean
+    (va, ca), (vb, cb) = value(models[a]["prefix"]), value(models[b]["prefix"])
+    diff = difference_interval(va, ca, vb, cb)
+    unit = "pp" if metric == "gap" else "%"
+    why = next(filter(None, (_unable(models[n]["prefix"]) for n in (a, b))), None)
+    return _finding(claim, paper, f"interval of {metric}({b}) - {metric}({a}) above 0",
+                    f"{metric} {va:.1f} {unit} {_ci(ca)} vs {vb:.1f} {unit} {_ci(cb)}; difference {vb - va:.1f} "
+                    f"{_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va, diff, 0.0, why,
+                    ordering=True, models=[a, b], values=[va, vb], intervals=[ca, cb])
+
+
+def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's orderings between same-family models (module doc)."""
+    def is_kind(name: str) -> Callable[[dict], bool]:
+        return lambda m: kind(m) == name
+
+    out = _ordering(models, "gap(W8/S4) < gap(W8/S8)", "39.8 < 75.3 pp (1 KV)", "gap", is_kind("W8/S4"),
+                    is_kind("W8/S8"))
+    out += _ordering(models, "gap(W12/S12) < gap(W8/S8)", "63.2 < 75.3 pp (1 KV)", "gap", is_kind("W12/S12"),
+                     is_kind("W8/S8"))
+    out += _ordering(models, "mean(W8/S8 uniform) < mean(W8/S8 learned gates)", "12.5% < 50.6% (1 KV)", "mean",
+                     is_kind("W8/S8 uniform"), is_kind("W8/S8"))
+    full = [(n, m) for n, m in models.items() if m["compressor"] == "none"]
+    pairs = [(a, b) for a, ma in full for b, mb in full
+             if ma["kv_heads"] < mb["kv_heads"] and _without_kv(ma) == _without_kv(mb)]
+    text, paper = "mean(full, more KV heads) > mean(full, fewer KV heads)", "61.1% (8 KV) > 18.8% (1 KV)"
+    if not pairs:
+        out.append(_finding(text, paper, "", "not measured: one full-attention model", "not measured"))
+    for a, b in pairs:
+        out.append(_compare(models, f"mean(full, {models[b]['kv_heads']} KV) > mean(full, {models[a]['kv_heads']} "
+                            f"KV) ({b} vs {a})", paper, "mean", a, b))
+    return out + [_coverage(models), *_cycling(models)]
+
+
+def covered_phases(result: dict[str, Any]) -> tuple[int, int]:
+    """(clearly, possibly) covered phases: Wilson interval wholly above COVERED_PCT, or reaching above it."""
+    rows = result["per_phase"]
+    return (sum(100 * r["ci_low"] >= COVERED_PCT for r in rows), sum(100 * r["ci_high"] >= COVERED_PCT for r in rows))
+
+
+def _coverage(models: dict[str, dict]) -> dict[str, Any]:
+    """Covered phases grow with the number of compressor heads (layers x KV heads), W8/S8 models: holds when every
+    larger size clearly covers more than any smaller one possibly does, fails when it possibly covers no more than
+    a smaller one clearly does."""
+    text = f"covered phases (above {COVERED_PCT:.0f}%) grow with compressor heads (W8/S8)"
+    paper = "Theorem 2: each head covers one phase, so more heads cover more phases"
+    rule = "clearly covered (larger) > possibly covered (smaller), for consecutive head counts"
+    sizes: dict[int, list[tuple[int, int, str]]] = {}
+    for n, m in models.items():
+        if kind(m) == "W8/S8" and n not in FIXES:
+            sizes.setdefault(m["layers"] * m["kv_heads"], []).append((*covered_phases(m["prefix"]), n))
+    if len(sizes) < 2:
+        return _finding(text, paper, rule, "not measured: one W8/S8 size", "not measured")
+    order = sorted(sizes)
+    measured = "; ".join(f"{n}: {heads} heads -> {c} clearly, {q} possibly of 8" for heads in order
+                         for c, q, n in sizes[heads])
+    steps = [("holds" if min(c for c, _, _ in sizes[big]) > max(q for _, q, _ in sizes[small]) else
+              "fails" if max(q for _, q, _ in sizes[big]) <= min(c for c, _, _ in sizes[small]) else "inconclusive")
+             for small, big in zip(order, order[1:])]
+    status = "fails" if "fails" in steps else "inconclusive" if "inconclusive" in steps else "holds"
+    return _finding(text, paper, rule, measured, status, covered=[[h, c, q, n] for h in order for c, q, n in sizes[h]])
+
+
+def _cycling(models: dict[str, dict]) -> list[dict[str, Any]]:
+    """Gate cycling: R^2 >= 0.66 (boundary excluded) for >= 4 of 6 deltas, every cycled model (per-offset payload
+    maps, the paper's kernel, and shared ones): holds when enough deltas are clearly above the bar, fails when too
+    few can be, inconclusive otherwise."""
+    rows = [(n, m) for n, m in models.items() if m.get("cycling")]
+    paper = "R^2 0.66 to 1.00 excluding the boundary phase"
+    if not rows:
+        return [_finding(f"gate cycling R^2 >= {CYCLING_R2} (boundary excluded)", paper, "",
+                         "not measured: no W = S model was cycled", "not measured")]
+    out = []
+    for n, m in rows:
+        deltas = [row for row in m["cycling"]["deltas"] if row["delta"] != 0]
+        r2 = {row["delta"]: row["r2_excl_boundary"] for row in deltas}
+        # a delta without an interval is judged on its point estimate (its interval is the point)
+        ci = {row["delta"]: row.get("r2_excl_boundary_ci") or ([row["r2_excl_boundary"]] * 2
+                                                               if row["r2_excl_boundary"] is not None else None)
+              for row in deltas}
+        above = sum(c is not None and c[0] >= CYCLING_R2 for c in ci.values())
+        below = sum(c is None or c[1] < CYCLING_R2 for c in ci.values())
+        need = min(CYCLING_DELTAS_NEEDED, len(r2))
+        status = "holds" if above >= need else "fails" if len(r2) - below < need else "inconclusive"
+        payload = "shared payload maps" if m.get("shared_payload") else "per-offset payload maps"
+        measured = ", ".join(f"{d:+d}: {'-' if v is None else f'{v:.2f}'}" + (f" {_ci(ci[d], 2)}" if ci[d] else "")
+                             for d, v in sorted(r2.items()))
+        out.append(_finding(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {need} of "
+                            f"{len(r2)} deltas ({payload})", paper, f"deltas whose R^2 interval is above {CYCLING_R2}: "
+                            f">= {need} holds; fewer than {need} that can be: fails", measured, status,
+                            why="inconclusive: intervals span the bar" if status == "inconclusive" else None,
+                            r2=r2, deltas_above=above, deltas_below=below))
+    return out
 
 
 # beyond the paper: phase-robust variants and the baseline each one fixes (same heads, layers, training budget)

@@ -18,6 +18,7 @@ from typing import Any
 
 from phasekv.figures.evaluation import plot_phase_heatmap, plot_residue_grid
 from phasekv.figures.probes import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
+from phasekv.report.findings import count_line
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;line-height:1.45}
@@ -124,13 +125,16 @@ def write_report(summary: dict[str, Any], out: str | Path, drawn: dict[str, dict
 
 
 def _findings(findings: list[dict[str, Any]]) -> list[str]:
-    parts = [_h2("findings", SECTIONS["findings"]),
-             "<table class='findings'><tr><th>claim (PAPER.md section 6)</th><th>measured</th><th>verdict</th></tr>"]
+    parts = [_h2("findings", SECTIONS["findings"]), f"<p>{html.escape(count_line(findings))}.</p>",
+             "<table class='findings'><tr><th>claim (docs/science.md section 6)</th><th>paper</th><th>measured</th>"
+             "<th>rule</th><th>verdict</th></tr>"]
+    style = {"holds": "ok", "fails": "no", "inconclusive": "note", "not measured": "note"}
     for f in findings:
-        verdict = (f"<span class='note'>{html.escape(f.get('why', 'not measured'))}</span>" if f["holds"] is None else
-                   "<span class='ok'>reproduced</span>" if f["holds"] else "<span class='no'>NOT reproduced</span>")
-        parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f['measured'])}</td>"
-                     f"<td>{verdict}</td></tr>")
+        status = f.get("status", {True: "holds", False: "fails"}.get(f["holds"], "not measured"))
+        text = f.get("why", status) if status == "inconclusive" else status
+        parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f.get('paper', ''))}</td>"
+                     f"<td>{html.escape(f['measured'])}</td><td>{html.escape(f.get('rule', ''))}</td>"
+                     f"<td><span class='{style[status]}'>{html.escape(text)}</span></td></tr>")
     return [*parts, "</table>"]
 
 
@@ -144,9 +148,9 @@ def _glance(models: dict[str, Any], figs: Path) -> list[str]:
     lines = []
     for name, m in models.items():
         p = m["prefix"]
-        lines.append(f"<li><b>{html.escape(name)}</b>: mean {_pct(p['mean_accuracy'])}% (chance "
-                     f"{_pct(p.get('chance'))}%), gap {p['max_gap_pp']:.1f} pp, period {p['detected_period']} "
-                     f"(S = {p['stride']}): {html.escape(_short_verdict(p))}</li>")
+        lines.append(f"<li><b>{html.escape(name)}</b>: mean {_pct(p['mean_accuracy'])}% (in-context chance "
+                     f"{_pct(p.get('in_context_chance'))}%), gap {p['max_gap_pp']:.1f} pp, period "
+                     f"{p['detected_period']} (S = {p['stride']}): {html.escape(_short_verdict(p))}</li>")
     curves = {n: m["prefix"] for n, m in models.items()}
     strong = {n: [str(r["phase"]) for r in p["per_phase"] if r["accuracy"] >= 0.5] for n, p in curves.items()}
     cells = "; ".join(f"{n}: {', '.join(v) or 'none'}" for n, v in strong.items())
