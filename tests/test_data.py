@@ -208,3 +208,23 @@ def test_curriculum_ramps_records_and_keeps_lengths():
     assert max(early.query_records) < 8
     with pytest.raises(ValueError, match="curriculum_start"):
         DataConfig(n_records=32, curriculum_start=40, curriculum_examples=10)
+
+
+def test_repeat_examples_train_induction_at_varying_distances():
+    cfg = DataConfig(n_records=32, n_queries=32, outer_max=0, background_fraction=0.0, repeat_fraction=0.5)
+    stream = TrainingStream(Vocabulary(), cfg, seed=3)
+    examples = [stream.example(i) for i in range(200)]
+    repeats = [e for e in examples if e.kind == "repeat"]
+    assert 70 < len(repeats) < 130 and all(len(e.ids) == cfg.seq_len for e in examples)
+    distances = set()
+    for e in repeats:
+        t = np.flatnonzero(e.labels != IGNORE)
+        m = t[0] - 1  # the second copy starts at m + 1; its first token is not supervised
+        assert m > cfg.local_window and (t == np.arange(m + 1, 2 * m)).all()
+        assert (e.labels[t] == e.ids[t + 1]).all() and (e.ids[t + 1] == e.ids[t + 1 - m]).all()
+        assert not e.answer_mask.any()  # lookup accuracy is measured on lookup answers only
+        distances.add(int(m))
+    assert len(distances) > 20  # a fixed distance would be solved by a positional head, not by induction
+    plain = TrainingStream(Vocabulary(), DataConfig(n_records=32, n_queries=32, outer_max=0, background_fraction=0.0),
+                           seed=3)
+    assert all(plain.example(i).kind == "lookup" for i in range(50))

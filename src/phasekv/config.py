@@ -442,6 +442,9 @@ class DataConfig:
     gap_fillers: int = spec(0, low=0, high=1 << 20)  # fillers scattered at random between records
     local_window: int = spec(16, low=1, high=1 << 20)  # the model's raw window; supervised only outside it
     background_fraction: float = spec(0.25, low=0.0, high=1.0)
+    # share of the other examples that are a random key/value word sequence shown twice, every token of the second
+    # copy supervised: a dense signal for the two-layer induction circuit token-level attention needs (0: none)
+    repeat_fraction: float = spec(0.0, low=0.0, high=1.0)
     background_successors: int = spec(4, low=1, high=1 << 16)
     chain_seed: int = spec(0, low=0)  # fixes the background Markov chain (the "language")
     n_keys: int = spec(64, low=1, high=1 << 16)
@@ -608,7 +611,7 @@ class Experiment:
 
 @dataclass
 class TheoryConfig:
-    """Sizes and scales of the idealized model (names follow PAPER.md section 5)."""
+    """Sizes and scales of the idealized model (names follow docs/science.md section 5)."""
 
     chunks: int = spec(4, low=1, high=1 << 12)  # L
     stride: int = spec(4, low=2, high=1 << 12)  # S: tokens per chunk (>= 2 so a query has a successor)

@@ -1,4 +1,4 @@
-"""The lookup prompt family (PAPER.md section 3) and the training stream built from it.
+"""The lookup prompt family (docs/science.md section 3) and the training stream built from it.
 
 One family serves training and evaluation.  A sequence is laid out by `assemble`:
 
@@ -36,7 +36,14 @@ A query is supervised (all of its value tokens) iff it passes the local-window r
 marks the first-value-token positions, where lookup accuracy is measured.  Background examples are
 <bos> plus a walk of a fixed sparse Markov chain over the background words (each word has
 `background_successors` successors with Dirichlet(1) probabilities, fixed by `chain_seed`), every
-next token supervised.  Each example is a background example with probability background_fraction.
+next token supervised. Each example is a background example with probability background_fraction. Of the others, a
+share repeat_fraction are repeat examples: <bos>, a uniform random sequence of m key and value words, m ~
+U{local_window + 1 .. (T - 1) // 2}, the same sequence again, fillers up to T; every token of the second copy but
+its first is supervised, predicted from the same token m positions back. m varies so that a head attending at a
+fixed distance cannot solve it (a fixed m was measured to train exactly that, and no lookup). Full attention must
+retrieve through a two-layer induction circuit (a previous-token head, then a matching head) that the lookup's 32
+supervised answers per sequence train only slowly; a repeat example trains the same circuit at every position. With
+repeat_fraction = 0 no draw is made, so streams without it are unchanged.
 
 The o fillers are the training counterpart of the evaluation protocols' outer fillers (between the
 records and the demonstrations); outer_max = 0 gives the prototype's format.  The default
@@ -187,7 +194,7 @@ class Example:
     ids: np.ndarray  # (T,) int64
     labels: np.ndarray  # (T,) int64, aligned with the logits, IGNORE where no loss
     answer_mask: np.ndarray  # (T,) bool, positions predicting a query's first value token
-    kind: str  # "lookup" or "background"
+    kind: str  # "lookup", "background" or "repeat"
     prefix: int = 0  # fillers before the first record
     record_positions: tuple[int, ...] = ()
     query_positions: tuple[int, ...] = ()
@@ -237,6 +244,8 @@ class TrainingStream:
         rng = np.random.default_rng([self.seed if seed is None else seed, tag, index])
         if rng.random() < self.config.background_fraction:
             return self._background_example(rng)
+        if self.config.repeat_fraction and rng.random() < self.config.repeat_fraction:
+            return self._repeat_example(rng)
         return self._lookup_example(rng, self.records_at(index) if tag == _TRAIN else self.config.n_records)
 
     def records_at(self, index: int) -> int:
@@ -264,6 +273,17 @@ class TrainingStream:
         labels = np.full(T, IGNORE)
         labels[:-1] = ids[1:]
         return Example(ids.astype(np.int64), labels, np.zeros(T, dtype=bool), "background")
+
+    def _repeat_example(self, rng: np.random.Generator) -> Example:
+        T = self.seq_len
+        m = int(rng.integers(self.config.local_window + 1, (T - 1) // 2 + 1))
+        words = np.asarray(self.vocab.group("keys") + self.vocab.group("values"))
+        half = words[rng.integers(len(words), size=m)]
+        pad = filler_tokens(rng, self.vocab, T - 1 - 2 * m)
+        ids = np.concatenate([[self.vocab.bos], half, half, pad]).astype(np.int64)
+        labels = np.full(T, IGNORE)
+        labels[m + 1:2 * m] = ids[m + 2:2 * m + 1]  # position t predicts ids[t + 1] = ids[t + 1 - m]
+        return Example(ids, labels, np.zeros(T, dtype=bool), "repeat")
 
     def _lookup_example(self, rng: np.random.Generator, n: int) -> Example:
         cfg, vocab = self.config, self.vocab
