@@ -67,16 +67,20 @@ def _transformers_like(**config) -> nn.Module:
 
 
 @pytest.mark.parametrize("config, geometry", [
-    (dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    (dict(model_type="deepseek_v4",
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                        "compressed_sparse_attention"],
           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}),
      {"compressor": "deepseek_v4_csa", "window": 8, "stride": 4, "compressed_layers": [1, 3]}),
-    (dict(layer_types=["heavily_compressed_attention"] * 2, compress_rates={"heavily_compressed_attention": 8}),
+    (dict(model_type="deepseek_v4", layer_types=["heavily_compressed_attention"] * 2,
+          compress_rates={"heavily_compressed_attention": 8}),
      {"compressor": "deepseek_v4_hca", "window": 8, "stride": 8, "compressed_layers": [0, 1]}),
-    (dict(layer_types=["linear_attention", "indexed_attention"], index_kpool=4),
+    (dict(model_type="glm5_next_text", layer_types=["linear_attention", "indexed_attention"], index_kpool=4),
      {"compressor": "glm5_kpool_indexer", "window": 4, "stride": 4, "compressed_layers": [1]}),
-    (dict(layer_types=["indexed_attention"], index_kpool=1), None),  # token-level selection: no phase grid
-    (dict(layer_types=["full_attention"]), None),
+    (dict(model_type="glm5_next_text", layer_types=["indexed_attention"], index_kpool=1), None),  # token-level
+    (dict(layer_types=["heavily_compressed_attention"], compress_rates={"heavily_compressed_attention": 8}),
+     None),  # the architecture comes from the model type: a dense model's config names no compression
+    (dict(model_type="qwen3", layer_types=["full_attention"]), None),
 ])
 def test_compression_geometry_is_read_from_a_transformers_config(config, geometry):
     assert families.compression_geometry(_transformers_like(**config)) == geometry

@@ -306,3 +306,20 @@ def test_tests_mirror_the_package():
         else:
             assert own.is_file(), f"src/phasekv/{unit}: no tests/test_{unit}.py (or say where its tests are: TESTED_IN)"
     assert set(TESTED_IN) <= set(units), f"TESTED_IN names modules that do not exist: {set(TESTED_IN) - set(units)}"
+
+
+# ----------------------------------------------------------------------------- one home per architecture
+
+# the classes, modules and attributes of transformers' DeepSeek and GLM architectures: only their files in
+# src/phasekv/archs/ name them (the generic modules ask `phasekv.archs.architecture_of(model)`)
+ARCHITECTURE_NAMES = ("DeepseekV", "deepseek_v", "Glm5", "glm5", "o_a_proj", "compress_rate", "index_kpool",
+                      "position_bias", "compressed_sparse_attention", "heavily_compressed_attention",
+                      "indexed_attention", "v4gates", "v4_")
+
+
+def test_families_probes_and_report_name_no_architecture():
+    generic = [SRC / "families.py", *sorted((SRC / "probes").glob("*.py")), *sorted((SRC / "report").glob("*.py"))]
+    found = [f"{path.relative_to(SRC)}:{n}: {name}" for path in generic
+             for n, line in enumerate(path.read_text().splitlines(), 1) for name in ARCHITECTURE_NAMES if name in line]
+    assert not found, f"architecture names outside src/phasekv/archs/: {found}"
+    assert all(any(name in p.read_text() for p in (SRC / "archs").glob("*.py")) for name in ARCHITECTURE_NAMES[:8])

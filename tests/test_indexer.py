@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from phasekv import build_model
-from phasekv.indexer import _pool_mass, _selected, dense_selection, distillation, indexers_of, kl_to_attention
+from phasekv.archs.base import selected_mask
+from phasekv.indexer import _pool_mass, dense_selection, distillation, indexers_of, kl_to_attention
 from tests.helpers import tiny
 
 
@@ -56,7 +57,7 @@ def test_kl_is_zero_when_the_indexer_matches_the_attention_and_reaches_only_the_
 
 def test_selected_indices_become_a_mask_and_minus_one_selects_nothing():
     indices = torch.tensor([[[2, 0, -1], [5, -1, -1]]])  # 5 is out of range: no candidate
-    assert _selected(indices, 4).tolist() == [[[True, False, True, False], [False, False, False, False]]]
+    assert selected_mask(indices, 4).tolist() == [[[True, False, True, False], [False, False, False, False]]]
 
 
 def test_pool_mass_sums_the_attention_of_each_pools_tokens():

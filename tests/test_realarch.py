@@ -15,6 +15,7 @@ import yaml
 
 import phasekv
 from phasekv import families
+from phasekv.archs import architecture_of
 from phasekv.config import Experiment, TransformersModelConfig
 from phasekv.evaluate.adapter import HFAdapter
 from phasekv.indexer import distillation, indexer_parameters, indexers_of
@@ -87,7 +88,8 @@ def test_no_future_leakage_and_cached_continuation_equals_full_forward(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_one_prefill_repeated_per_query_equals_full_forwards(name):
-    """`families.repeat_cache` repeats every state of the cache (compressor buffers, linear-attention states)."""
+    """The architecture's `repeat_cache` repeats every state of the cache (compressor buffers, linear-attention
+    states)."""
     model = build(name).eval()
     ids, n, repeats = ids_for(2), 22, 3
     queries = torch.cat([ids[:, n:]] * repeats, dim=0)[torch.arange(2 * repeats).view(repeats, 2).T.flatten()]
@@ -95,7 +97,7 @@ def test_one_prefill_repeated_per_query_equals_full_forwards(name):
     with torch.no_grad():
         full = families.logits(model, torch.cat([contexts, queries], dim=1))[:, n:]
         past, length = HFAdapter(model, name).prefill(ids[:, :n])
-        families.repeat_cache(past, 2, repeats)
+        architecture_of(model).repeat_cache(past, 2, repeats)
         positions = torch.arange(length, ids.shape[1]).expand(queries.shape[0], -1)
         out = model(input_ids=queries, position_ids=positions, cache=past, use_cache=True).logits
     torch.testing.assert_close(out, full, rtol=0, atol=1e-4)
@@ -212,7 +214,8 @@ def test_v4_gate_statistics_recompute_the_real_compressor(kind):
     """HCA (windows of m' = 4) and CSA (windows of 2m = 8 every m = 4, two series per token): the gate softmax
     recomputed from the module's weights rebuilds the module's own entries (CSA: entries 1.., whose previous
     window exists), and the statistics pool every such window."""
-    from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics, v4_gate_weights, v4_windows
+    from phasekv.archs.deepseek_v4 import compressors, gate_weights, windows
+    from phasekv.probes.archgates import arch_gate_statistics
 
     section = small_section("deepseek-v4-csa")
     if kind == "hca":
@@ -226,7 +229,7 @@ def test_v4_gate_statistics_recompute_the_real_compressor(kind):
     W = 4 if kind == "hca" else 8
     assert families.compression_geometry(model) == {"compressor": f"deepseek_v4_{kind}", "window": W, "stride": 4,
                                                     "compressed_layers": [0, 1]}
-    found = v4_compressors(model)
+    found = compressors(model)
     assert [i for i, _ in found] == [0, 1]
     with torch.no_grad():  # visibly non-uniform gates
         for _, c in found:
@@ -243,14 +246,14 @@ def test_v4_gate_statistics_recompute_the_real_compressor(kind):
     rope = int(model.config.head_dim * model.config.partial_rotary_factor)
     assert len(seen) == 2
     for c, hidden, entries in seen:  # entries (B, 1, N, D): our alpha rebuilds the module's own entries
-        alpha = v4_gate_weights(c, hidden)
+        alpha = gate_weights(c, hidden)
         assert alpha.shape[1:3] == ((10, 4) if kind == "hca" else (9, 8))
         torch.testing.assert_close(alpha.sum(2), torch.ones_like(alpha.sum(2)))
-        payload = v4_windows(c, c.kv_proj(hidden))
+        payload = windows(c, c.kv_proj(hidden))
         rebuilt = c.kv_norm((payload * alpha.to(payload.dtype)).sum(2))
         first = 0 if kind == "hca" else 1  # CSA entry 0 has no previous window
         torch.testing.assert_close(rebuilt[..., :-rope], entries[:, 0, first:, :-rope], rtol=1e-5, atol=1e-5)
-    gates = v4_gate_statistics(model, ids, batch_size=1)
+    gates = arch_gate_statistics(model, ids, batch_size=1)
     assert [g["layer"] for g in gates] == [0, 1]
     for g in gates:
         assert len(g["profile"]) == W and 1.0 <= g["per_window"] <= g["static"] <= W + 1e-9
@@ -261,8 +264,8 @@ def test_v4_gate_statistics_recompute_the_real_compressor(kind):
 def test_v4_gate_cycling_rolls_position_bias_of_hca_and_refuses_csa():
     """transformers' DeepSeek-V4 HCA compressor is cyclable through its per-offset position_bias (W = S = m',
     boundary phase m' - 1), restored bit for bit; CSA (W = 2m, S = m) is refused like any W != S compressor."""
+    from phasekv.archs.deepseek_v4 import compressors
     from phasekv.probes.cycle import boundary_phases, cycle_stride, cycled_gates, offset_gate_parameters
-    from phasekv.probes.v4gates import v4_compressors
 
     for layer_type, rate in (("heavily_compressed_attention", 8), ("compressed_sparse_attention", 4)):
         section = small_section("deepseek-v4-csa")
@@ -278,7 +281,7 @@ def test_v4_gate_cycling_rolls_position_bias_of_hca_and_refuses_csa():
                 cycle_stride(model)
             continue
         assert cycle_stride(model) == 8 and boundary_phases(model) == [7]
-        biases = [c.position_bias for _, c in v4_compressors(model)]
+        biases = [c.position_bias for _, c in compressors(model)]
         assert [p for _, p in offset_gate_parameters(model)] == biases
         with torch.no_grad():
             for p in biases:

@@ -9,10 +9,10 @@ runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` ser
   transformers  any transformers causal LM from a `TransformersModelConfig` (`model_type` plus that
                 config class's fields, e.g. Qwen3ForCausalLM); transformers' classes are used as
                 they are, never re-implemented.  A text model transformers ships only inside a
-                multimodal class (GLM-5.3's `glm5_next_text`) gets a linear LM head
-                (`phasekv.textlm.TextCausalLM`).  Models with a sparse-attention indexer
-                (`phasekv.indexer`) run eager attention: their indexer objective reads the main
-                attention's probabilities, which only the eager path returns.
+                multimodal class (GLM-5.3's) gets a linear LM head (`phasekv.textlm.TextCausalLM`).
+                Models with a sparse-attention indexer (`phasekv.indexer`) run eager attention: their
+                indexer objective reads the main attention's probabilities, which only the eager path
+                returns.  What phasekv knows of each transformers architecture lives in `phasekv.archs`.
 
 `build` first checks that the weights fit in memory (`check_fits`): the model is built once on the
 `meta` device (no storage) and its parameters counted, so an absurd config is refused in one line
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phasekv.archs import geometry_of
+from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in evaluate/presses.py)
 from phasekv.config import ModelConfig, TransformersModelConfig
 from phasekv.indexer import indexers_of
 from phasekv.model import PhaseKVForCausalLM, build_model
@@ -107,42 +109,14 @@ def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
 
 
-def repeat_cache(cache: Any, batch: int, repeats: int) -> None:
-    """Repeat each of the `batch` rows of a transformers cache `repeats` times in place (context-major order, like
-    repeat_interleave).  Goes through `reorder_cache`, which every cache layer implements for its whole state
-    (DeepSeek-V4's compressor buffers, overlap and compressed entries; GLM-5.3's linear-attention states), unlike
-    `batch_repeat_interleave`, which repeats only the keys and values or is missing."""
-    cache.reorder_cache(torch.arange(batch).repeat_interleave(repeats))
-
-
 def family_name(model: nn.Module) -> str:
     return "phasekv" if isinstance(unwrap(model), PhaseKVForCausalLM) else "transformers"
 
 
 def compression_geometry(model: nn.Module) -> dict[str, Any] | None:
-    """Chunked compression inside a transformers model, read from its config (its classes are not phasekv
-    compressors): {"compressor", "window", "stride", "compressed_layers"} of the first compressed layer's kind
-    (compressed_layers: the indices of the layers of that kind), or None.
-
-      DeepSeek-V4 CSA   windows of 2m tokens starting every m (overlapping), m = compress_rates[CSA]
-      DeepSeek-V4 HCA   windows of m' tokens every m' (non-overlapping), m' = compress_rates[HCA]
-      GLM-5.3 k-pool    the indexer scores pools of index_kpool tokens (selection, not compression, is pooled)
-    DeepSeek-V3.2's token-level indexer and dense models have none."""
-    model = unwrap(model)
-    if isinstance(model, PhaseKVForCausalLM):
-        return None
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    rates = getattr(cfg, "compress_rates", None) or {}
-    types = getattr(cfg, "layer_types", None) or []
-    for layer_type in types:
-        layers = [i for i, t in enumerate(types) if t == layer_type]  # the layers of this kind of compression
-        if layer_type == "compressed_sparse_attention" and layer_type in rates:
-            m = int(rates[layer_type])
-            return {"compressor": "deepseek_v4_csa", "window": 2 * m, "stride": m, "compressed_layers": layers}
-        if layer_type == "heavily_compressed_attention" and layer_type in rates:
-            m = int(rates[layer_type])
-            return {"compressor": "deepseek_v4_hca", "window": m, "stride": m, "compressed_layers": layers}
-        if layer_type == "indexed_attention" and (getattr(cfg, "index_kpool", None) or 1) > 1:
-            k = int(cfg.index_kpool)
-            return {"compressor": "glm5_kpool_indexer", "window": k, "stride": k, "compressed_layers": layers}
-    return None
+    """Chunked compression inside a transformers model, read from its config by its architecture
+    (`phasekv.archs`; its classes are not phasekv compressors): {"compressor", "window", "stride",
+    "compressed_layers"} of the first compressed layer's kind (compressed_layers: the indices of the layers of that
+    kind), or None (dense models, token-level indexers, phasekv's own models)."""
+    geometry = geometry_of(unwrap(model))
+    return None if geometry is None else geometry.as_dict()

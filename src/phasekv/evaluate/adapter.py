@@ -3,8 +3,8 @@
 An adapter scores next-token logits for batches of token ids, either in one forward pass or by
 prefilling shared contexts once and continuing several queries from copies of the cache.  Both
 phasekv models and Hugging Face causal LMs implement it; probes attach PyTorch hooks to
-`adapter.attention_layers()` (each layer's `o_proj` and `self_attn` modules have the same roles in
-both families).
+`adapter.attention_layers()` (each layer's `self_attn` and its output projection, `o_proj` or the module the
+model's architecture names in `phasekv.archs`, have the same roles in both families).
 
 Every position is a real token: there is no padding and no attention mask, so a token's phase is
 its index in the input ids.
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from phasekv.archs import architecture_of
 from phasekv.cache import KVCache
-from phasekv.families import compression_geometry, repeat_cache
+from phasekv.families import compression_geometry
 from phasekv.model import PhaseKVForCausalLM
 
 
@@ -44,7 +45,8 @@ class Adapter:
     shares_cache = False  # True: continue_from reads the prefilled cache without copying it per query row
 
     def attention_layers(self) -> list[nn.Module]:
-        """The attention module of each layer (exposing `o_proj`)."""
+        """The attention module of each layer (exposing its output projection: `o_proj`, or what its architecture
+        names, `phasekv.archs`)."""
         raise NotImplementedError
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -124,9 +126,10 @@ class HFAdapter(Adapter):
         if layers is None:
             raise ValueError(f"{self.info.name}: cannot find decoder layers (looked for model.layers)")
         attn = [getattr(layer, "self_attn", None) for layer in layers]
-        if any(a is None or not (hasattr(a, "o_proj") or hasattr(a, "o_a_proj")) for a in attn):
-            raise ValueError(f"{self.info.name}: layers have no self_attn.o_proj (Qwen/Llama-style, MLA or "
-                             "DeepSeek-V4 models only)")
+        arch = architecture_of(self.module)
+        if any(a is None or arch.output_projection(a) is None for a in attn):
+            raise ValueError(f"{self.info.name}: layers have no self_attn.o_proj (or the output projection their "
+                             f"architecture names in phasekv.archs; read as {arch.name!r})")
         return attn
 
     @torch.no_grad()
@@ -145,8 +148,8 @@ class HFAdapter(Adapter):
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         past, length = cache
         past = copy.deepcopy(past)
-        if repeats > 1:  # through reorder_cache: every cache layer repeats its whole state (compressor buffers too)
-            repeat_cache(past, ids.shape[0] // repeats, repeats)
+        if repeats > 1:  # every cache layer repeats its whole state (compressor buffers too)
+            architecture_of(self.module).repeat_cache(past, ids.shape[0] // repeats, repeats)
         ids = ids.to(self.device)
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"

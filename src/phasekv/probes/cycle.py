@@ -13,9 +13,8 @@ the window boundary (the successor sits in the next entry), which cycling does n
 
 Offset-specific gate parameters are those each compressor declares (`offset_gate_parameters`: one
 slice per offset on dim 0); maps shared by several offsets are left alone, payload maps are never
-touched.  transformers' DeepSeek-V4 HCA compressor (W = S = m', windows from position 0, a payload map shared
-by the offsets) is cycled through its per-offset `position_bias`; its CSA compressor (W = 2m, S = m) is not
-cyclable, like any W != S compressor.
+touched.  The compressors of a transformers architecture are cycled through the offset-specific gate parameters
+its file in `phasekv.archs` declares (`cycled_layers`); a W != S compressor is not cyclable.
 `cycled_gates` restores the saved parameters bit for bit on exit, exception or not.
 """
 
@@ -24,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from phasekv.archs import CycledLayer, architecture_of
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
@@ -43,26 +42,13 @@ from phasekv.figures.probes import plot_cycling
 from phasekv.probes.gates import gate_statistics
 from phasekv.probes.hooks import compressed_layers
 from phasekv.probes.output import write_result
-from phasekv.probes.v4gates import overlapping, v4_compressors
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class CycledLayer:
-    """A compressed layer as gate cycling sees it: geometry, boundary phase and its offset-specific gate
-    parameters (one slice per window offset on dim 0)."""
-
-    layer: int
-    window: int
-    stride: int
-    boundary: int  # phase of the windows' last offset
-    gates: dict[str, nn.Parameter]
-
-
 def cycled_layers(model: nn.Module | Adapter) -> list[CycledLayer]:
-    """Every compressed layer: phasekv's compressors, and transformers' DeepSeek-V4 compressors, whose per-offset
-    `position_bias` (m', D) is the offset-specific gate parameter (their windows start at position 0)."""
+    """Every compressed layer: phasekv's compressors, and those of a transformers architecture that declares its
+    offset-specific gate parameters (`phasekv.archs`, `cycled_layers`)."""
     out = []
     for i, attn in compressed_layers(model):
         c = attn.compressor
@@ -70,11 +56,7 @@ def cycled_layers(model: nn.Module | Adapter) -> list[CycledLayer]:
             raise ValueError(f"gate cycling: layer {i} staggers its KV heads (each head has its own boundary phase)")
         out.append(CycledLayer(i, c.window, c.stride, c.offset_phase(c.window - 1), c.offset_gate_parameters()))
     module = model.module if isinstance(model, Adapter) else model
-    for i, c in v4_compressors(module):
-        m = c.compress_rate
-        W = 2 * m if overlapping(c) else m
-        out.append(CycledLayer(i, W, m, (W - 1) % m, {"position_bias": c.position_bias}))
-    return out
+    return out + architecture_of(module).cycled_layers(module)
 
 
 def cycle_stride(model: nn.Module | Adapter) -> int:

@@ -1,12 +1,10 @@
 """Named hook points as context managers that always restore the model (docs/style.md 6).
 
-The o_proj hooks sit on the input of each layer's `o_proj`, i.e. the per-head attention outputs
-before the output projection, laid out (B, T, H * D) with query head h in dims h*D .. (h+1)*D-1.
-That module exists with that meaning in phasekv models and in HF Qwen3 / Llama models alike (and in the MLA
-attention of DeepSeek-V3.2 and GLM-5.3, with D = v_head_dim).  DeepSeek-V4 has no o_proj: its grouped low-rank
-output projection `o_a_proj` reads the per-head outputs as (B, T, groups, H * D / groups), which flattens to the
-same layout, so the hooks sit there (`output_projection`); with V4's single KV head a KV-head knockout is a
-whole-layer knockout.
+The o_proj hooks sit on the input of each layer's output projection, i.e. the per-head attention outputs
+before the projection, laid out (B, T, H * D) with query head h in dims h*D .. (h+1)*D-1.
+That module is `o_proj` in phasekv models and in HF Qwen3 / Llama models alike (and in MLA attention, with
+D = v_head_dim); an architecture without one names its own in `phasekv.archs` (`output_projection`), possibly a
+grouped projection reading (B, T, groups, H * D / groups), which flattens to the same layout.
 Query head h reads KV head h // (H / KVH) (grouped-query attention, as HF's `repeat_kv`).
 
 They act at the final position of a forward, which is the query position of a full prompt and of
@@ -27,6 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from phasekv.archs import architecture_of
 from phasekv.compression import Compressor
 from phasekv.evaluate.adapter import Adapter
 
@@ -56,16 +55,17 @@ class QueryOnly(Adapter):
         return self.inner.continue_from(cache, ids, repeats)
 
 
-def output_projection(attn: nn.Module) -> nn.Module:
-    """The module whose input is `attn`'s per-head output: `o_proj`, or DeepSeek-V4's grouped `o_a_proj`."""
-    for name in ("o_proj", "o_a_proj"):
-        if isinstance(getattr(attn, name, None), nn.Module):
-            return getattr(attn, name)
-    raise ValueError(f"{type(attn).__name__}: no o_proj (or DeepSeek-V4 o_a_proj) to hook")
+def output_projection(adapter: Adapter, attn: nn.Module) -> nn.Module:
+    """The module whose input is `attn`'s per-head output, as the model's architecture names it (`phasekv.archs`)."""
+    arch = architecture_of(adapter.module)
+    module = arch.output_projection(attn)
+    if module is None:
+        raise ValueError(f"{type(attn).__name__}: no output projection to hook (architecture {arch.name!r})")
+    return module
 
 
 def _per_head(x: torch.Tensor) -> torch.Tensor:
-    """An output projection's input as (B, T, H * D) (V4's grouped (B, T, groups, H * D / groups) flattened)."""
+    """An output projection's input as (B, T, H * D) (a grouped (B, T, groups, H * D / groups) flattened)."""
     return x.flatten(2) if x.dim() == 4 else x
 
 
@@ -94,7 +94,7 @@ def capture_final_head_outputs(adapter: Adapter) -> Iterator[list[list[torch.Ten
             def hook(module, args, i=i):
                 if _armed(adapter):
                     captured[i].append(_per_head(args[0])[:, -1].detach().float().cpu())
-            handles.append(output_projection(attn).register_forward_pre_hook(hook))
+            handles.append(output_projection(adapter, attn).register_forward_pre_hook(hook))
         yield captured
     finally:
         for h in handles:
@@ -123,7 +123,7 @@ def replace_heads(adapter: Adapter, layer: int, heads: list[int] | None, mean: t
         _per_head(x)[:, -1, dims.to(x.device)] = mean[dims].to(device=x.device, dtype=x.dtype)  # a view of x
         return (x, *args[1:])
 
-    handle = output_projection(adapter.attention_layers()[layer]).register_forward_pre_hook(hook)
+    handle = output_projection(adapter, adapter.attention_layers()[layer]).register_forward_pre_hook(hook)
     try:
         yield
     finally:
@@ -143,7 +143,7 @@ def compressed_layers(model: nn.Module | Adapter) -> list[tuple[int, nn.Module]]
         attn = model.attention_layers()
     else:
         attn = [layer.self_attn for layer in model.model.layers]
-    # transformers' DeepSeek-V4 attention has a `compressor` too, not a phasekv one (`phasekv.probes.v4gates`)
+    # a transformers attention may have a `compressor` too, not a phasekv one (its architecture reads it: phasekv.archs)
     return [(i, a) for i, a in enumerate(attn) if isinstance(getattr(a, "compressor", None), Compressor)]
 
 

@@ -1,4 +1,4 @@
-"""`phasekv reproduce`: the paper's findings (PAPER.md section 6) measured on bundled checkpoints.
+"""`phasekv reproduce`: the paper's findings (docs/science.md section 6) measured on bundled checkpoints.
 
 For every model: both padding protocols, then knockout maps, gate concentration and profiles
 (compressed models), gate cycling (W = S gated models), and once the theory model.  Everything
@@ -30,17 +30,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from phasekv.archs import architecture_of, geometry_of
 from phasekv.checkpoint import resolve
 from phasekv.compression import compressors_of
 from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
-from phasekv.families import compression_geometry, family_name
+from phasekv.families import family_name
 from phasekv.outputs import output_dir
+from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
-from phasekv.probes.v4gates import v4_compressors, v4_gate_statistics
 from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
 from phasekv.theory import run_theory
@@ -49,7 +50,7 @@ from phasekv.train import read_metrics, train
 log = logging.getLogger(__name__)
 
 PROBE_CLUSTERS = 8
-GRADED_CYCLING_CLUSTERS = 24  # gate cycling of transformers' DeepSeek-V4 HCA: 6,912 prompts
+GRADED_CYCLING_CLUSTERS = 24  # gate cycling of a transformers architecture's compressors: 6,912 prompts
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger",
            "full-4kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
            "dsv4-hca", "dsv4-csa", "qwen3-full"]  # the last three: transformers' own DeepSeek-V4 (HCA layers, CSA
@@ -57,7 +58,8 @@ BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform",
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
-               "can_do_task", "verdict", "within_flatness_p", "cochran_p", "n_clusters")
+               "in_context_chance", "can_do_task", "phase_sensitive", "verdict_parts", "verdict", "gap_ci_basic_pp",
+               "within_flatness_p", "cochran_p", "n_clusters")
 
 
 def discover(checkpoints: Path, names: list[str] | None = None) -> dict[str, Path]:
@@ -111,21 +113,20 @@ def cache_bytes_per_token(model: torch.nn.Module, tokens: int = 504) -> float | 
 def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Geometry read from the model's own compressors (any family) and the run's last validation."""
     compressors = [c for _, c in compressors_of(model)]
-    first = compressors[0] if compressors else None
     info = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rows = read_metrics(path)
     vals = [r for r in rows if "val_loss" in r]
-    geometry = compression_geometry(model) or {}  # a transformers model's own compression, read from its config
+    geometry = geometry_of(model)  # a transformers model's own compression, read from its config by its architecture
+    shape = compressors[0] if compressors else geometry  # either is a phasekv.archs.Geometry: name, window, stride
     return {
         "family": family_name(model), "architecture": type(model).__name__,
-        "compressor": first.name if first else geometry.get("compressor", "none"),
-        "window": first.window if first else geometry.get("window"),
-        "stride": first.stride if first else geometry.get("stride"),
-        "compressed_layers": geometry.get("compressed_layers"),  # transformers models: where their compression is
+        "compressor": shape.name if shape is not None else "none",
+        "window": shape.window if shape is not None else None,
+        "stride": shape.stride if shape is not None else None,
+        "compressed_layers": list(geometry.compressed_layers) if geometry else None,  # transformers models only
         "uniform": bool(compressors) and not any(c.gate_parameters() for c in compressors),
-        # transformers' DeepSeek-V4 compressors project every offset's payload with one kv_proj
         "shared_payload": (bool(compressors) and not any(c.offset_payload_maps() for c in compressors)
-                           or bool(v4_compressors(model))),
+                           or any(g.shared_payload for g in architecture_of(model).gate_layers(model))),
         "staggered": any(c.offset for c in compressors),
         "kv_heads": info.num_key_value_heads, "layers": info.num_hidden_layers, "hidden": info.hidden_size,
         "val_loss": vals[-1]["val_loss"] if vals else None,
@@ -210,8 +211,8 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
     lap("knockout")
     bar.update()
     prompts = torch.tensor([p.ids for p in probe_set.prompts()[:: max(1, len(probe_set.prompts()) // 64)]])
-    if v4_compressors(adapter.module):  # transformers' DeepSeek-V4 HCA or CSA: gates read from the real module
-        result["gates"] = v4_gate_statistics(adapter.module, prompts)
+    if architecture_of(adapter.module).gate_layers(adapter.module):  # a transformers architecture's compressors
+        result["gates"] = arch_gate_statistics(adapter.module, prompts)
         lap("gates")
     if compressors_of(adapter.module):  # phasekv's compressors
         bar.set_description(f"{name}: gates")
@@ -222,7 +223,7 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             traj = gate_trajectory(path, prompts[:16], out / "gates", progress=False)
             result["gate_trajectory"] = _numbers_only(traj)
             lap("gate_trajectory")
-    if can_cycle(adapter.module):  # phasekv's W = S compressors and transformers' DeepSeek-V4 HCA
+    if can_cycle(adapter.module):  # W = S compressors with offset-specific gates, of either family
         bar.set_description(f"{name}: cycling")
         result["cycling"] = _cycling(adapter, probe_set, vocab, defaults, out, quick, seed, batch)
         lap("cycling")
@@ -231,11 +232,11 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
 
 
 def _cycling(adapter, probe_set, vocab, defaults, out: Path, quick: bool, seed: int, batch: int) -> dict[str, Any]:
-    """Gate cycling on the probe set; transformers' DeepSeek-V4 HCA on a larger set with two shifts each way: a
-    graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured on dsv4-hca:
-    with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9])."""
+    """Gate cycling on the probe set; a transformers architecture's compressors on a larger set with two shifts each
+    way: their graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured on
+    dsv4-hca: with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9])."""
     deltas, cycle_set = (-1, 0, 1) if quick else range(-3, 4), probe_set
-    if v4_compressors(adapter.module) and not quick:
+    if architecture_of(adapter.module).gate_layers(adapter.module) and not quick:
         deltas = range(-2, 3)
         cycle_set = make_eval_set(adapter, vocab, "prefix", **_settings(defaults, seed, GRADED_CYCLING_CLUSTERS))
     cyc = run_cycling(adapter, cycle_set, deltas=deltas, out_dir=out / "cycling", batch_size=batch, progress=False,

@@ -1,0 +1,70 @@
+"""transformers' GLM-5.3 text model (`model_type: glm5_next_text`, the language model of `glm5_next`): linear
+attention layers and MLA layers (both with an `o_proj`, the dense default's knockout target) whose k-pool DSA
+indexer scores pools of `index_kpool` consecutive keys.
+
+Geometry: selection, not compression, is pooled: the `indexed_attention` layers choose among pools of
+index_kpool tokens starting every index_kpool tokens from position 0, a window grid of W = S = index_kpool (a
+pool of 1 is token-level selection: no grid).
+
+Indexer (`Glm5NextTextIndexer`): candidates are complete pools (a pool's target mass is its tokens' attention mass;
+the raw tail the model always attends is no candidate); the real indexer runs under no_grad, so its pool scores
+are recomputed from its own submodules on its detached inputs, pooling with the module's own `get_pooled_states`
+(`pool_scores`, checked against the real selection in tests/test_realarch.py).  The dense warm-up raises its top-k
+to whole pools.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasekv.archs.base import Architecture, CompressionGeometry, IndexerKind, argument, register, selected_mask
+
+
+def pool_scores(indexer, hidden: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor):
+    """Glm5NextTextIndexer.forward's pool scores, with grad (no cache): (scores (B, S, P), candidates (B, S, P)
+    bool: complete pools whose last token the query sees, pool token indices (B, P, kpool))."""
+    b, s, _ = hidden.shape
+    q = indexer.wq_b(q_resid).view(b, s, -1, indexer.head_dim)  # (B, S, H, D)
+    k = indexer.k_norm(indexer.wk(hidden))  # (B, S, D)
+    gate = F.linear(hidden, indexer.index_kpool_compress_gate)  # (B, S, D)
+    packed = torch.cat([k, gate, mask.to(k.dtype)[..., None]], dim=-1)
+    pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed_states=packed)
+    scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    weights = indexer.weights_proj(hidden).float() * indexer.n_heads ** -0.5  # (B, S, H)
+    scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, S, P)
+    visible = indexer.get_visible_tokens(valid_keys=mask.bool(), q_length=s, current_length=s)  # (B, S, T)
+    ends = pool_indices[..., -1].clamp(0, s - 1)  # (B, P)
+    candidates = visible.gather(-1, ends[:, None, :].expand(b, s, -1)) & pool_valid[:, None]
+    return scores, candidates, pool_indices
+
+
+def _record(indexer, args, kwargs, output, _scores):
+    hidden, q_resid = argument(args, kwargs, 0, "hidden_states"), argument(args, kwargs, 1, "q_resid")
+    mask = argument(args, kwargs, 2, "attention_mask")  # (B, S) bool padding mask
+    scores, candidates, pools = pool_scores(indexer, hidden.detach(), q_resid.detach(), mask)
+    tokens = selected_mask(output, hidden.shape[1])  # (B, S, T)
+    first = pools[..., 0].clamp(min=0)  # (B, P): a complete pool is selected whole, so its first token says it
+    return scores, candidates, tokens.gather(-1, first[:, None, :].expand(-1, tokens.shape[1], -1)), pools
+
+
+def _pool(indexer: nn.Module) -> int:
+    return int(getattr(indexer, "index_kpool", 1) or 1)
+
+
+@register
+class Glm5Next(Architecture):
+    name = "glm5_next"
+    model_types = ("glm5_next_text", "glm5_next")
+
+    def geometry(self, config) -> CompressionGeometry | None:
+        types = getattr(config, "layer_types", None) or []
+        k = getattr(config, "index_kpool", None) or 1
+        layers = tuple(i for i, t in enumerate(types) if t == "indexed_attention")
+        return CompressionGeometry("glm5_kpool_indexer", int(k), int(k), layers) if layers and k > 1 else None
+
+    def indexer_kinds(self) -> list[IndexerKind]:
+        from transformers.models.glm5_next import modeling_glm5_next as glm
+
+        return [IndexerKind(glm.Glm5NextTextIndexer, glm.Glm5NextTextAttention, _record, 3, pool=_pool)]
