@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from phasekv import attention, build_model
-from phasekv.attention import Visible, tail_start, windowed_attention, windowed_attention_reference
-from phasekv.attention import attention_by_parts as by_parts
+from phasekv import attention, build_model, kernels
 from phasekv.compression import Selection
+from phasekv.kernels import Visible, tail_start, windowed_attention, windowed_attention_reference
+from phasekv.kernels import attention_by_parts as by_parts
 from tests.helpers import tiny
 
 
@@ -42,8 +42,8 @@ def _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, sink, tail, block,
     ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail)
     calls = []
     if monkeypatch is not None:
-        monkeypatch.setattr(attention, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
-        monkeypatch.setattr(attention, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
+        monkeypatch.setattr(kernels, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
+        monkeypatch.setattr(kernels, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
     q = q.clone().requires_grad_(path == "blocks")
     fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail, block=block).detach()
     if monkeypatch is not None:
@@ -79,7 +79,7 @@ def test_attention_by_parts_for_queries_after_a_prefix(start, T, sink, entry_row
     """Cached continuation: queries start..start+T-1 (rows cut anywhere), with every complete window's entry in
     the cache as the layer keeps it (one entry in the first two cases); entry rows in blocks of 1, 2 (several
     blocks, a partial last one) or 128."""
-    monkeypatch.setattr(attention, "ENTRY_ROWS", entry_rows)
+    monkeypatch.setattr(kernels, "ENTRY_ROWS", entry_rows)
     torch.manual_seed(0)
     B, KVH, G, D, L, W, S = 2, 2, 3, 8, 4, 8, 4
     n_entries = (start + T - 1 - (W - 1)) // S + 1
@@ -90,16 +90,16 @@ def test_attention_by_parts_for_queries_after_a_prefix(start, T, sink, entry_row
     vis = Visible(torch.randn(B, KVH, n_entries, D), torch.randn(B, KVH, n_entries, D), ends)
     s = torch.randn(KVH * G) * 3 if sink else None
     q_pos = torch.arange(start, start + T)
-    assert attention.regular_entries(vis)
-    fast = attention.attention_by_parts(q, q_pos, k_all, v_all, k_pos, L, vis, s, None, 4)
+    assert kernels.regular_entries(vis)
+    fast = kernels.attention_by_parts(q, q_pos, k_all, v_all, k_pos, L, vis, s, None, 4)
     ref = windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, L, vis, s, None)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_entries_off_one_grid_take_the_block_path():
     ends = torch.tensor([7, 11, 19])
-    assert not attention.regular_entries(Visible(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), ends))
-    assert attention.regular_entries(Visible(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), ends[:2]))
+    assert not kernels.regular_entries(Visible(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), ends))
+    assert kernels.regular_entries(Visible(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), ends[:2]))
 
 
 @pytest.mark.parametrize("kwargs", [dict(compressor="gated", window=8, stride=4, attn_sink=True),
@@ -116,7 +116,7 @@ def test_chunked_prefill_equals_one_forward_and_continues_the_cache(kwargs, monk
     ids = torch.randint(0, 64, (2, 45))
     expect = model(ids).detach()  # autograd on: one call per layer
     monkeypatch.setattr(attention, "PREFILL_CHUNK", 7)
-    monkeypatch.setattr(attention, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
+    monkeypatch.setattr(kernels, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
     calls = []
     chunked = attention.Attention._chunked_prefill
     monkeypatch.setattr(attention.Attention, "_chunked_prefill", lambda *a: calls.append(1) or chunked(*a))

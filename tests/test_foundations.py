@@ -83,6 +83,7 @@ def _in(module: str, package: str) -> bool:
     ("phasekv.config", ["phasekv"]),  # the bottom layer imports nothing of phasekv
     ("phasekv.layers", ["phasekv"]),
     ("phasekv.figures", ["phasekv.config", "phasekv.model", "phasekv.evaluate", "phasekv.probes", "phasekv.theory"]),
+    ("phasekv.kernels", ["phasekv.attention", "phasekv.cache", "phasekv.model"]),  # kernels know no layer or cache
     ("phasekv.compression", ["phasekv.attention", "phasekv.model", "phasekv.train", "phasekv.evaluate",
                              "phasekv.families", "phasekv.checkpoint"]),
     ("phasekv.evaluate", ["phasekv.train", "phasekv.report", "phasekv.cli", "phasekv.probes"]),
@@ -285,6 +286,7 @@ def test_every_cited_section_and_rule_exists():
 # where a module's tests live when they are not in tests/test_<module>.py
 TESTED_IN = {
     "layers": "test_model.py",  # RMSNorm and RoPE against their references, with the model
+    "kernels": "test_attention.py",  # each kernel against its oracle, `windowed_attention_reference`
     "hf_config": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes
     "hf_registration": "test_hf_model.py",
     "textlm": "test_realarch.py",  # GLM-5.3's text model, its one user

@@ -61,6 +61,21 @@ class LayerCache:
         self.entries_v = None if v is None else torch.cat([self.entries_v, v], dim=2)
         self.entries_end = torch.cat([self.entries_end, end])
 
+    def window_start(self, start: int) -> int:
+        """Index, in (the pending hidden states, then the input at position `start`), of the first window start
+        (`pending_start`): where the compressor's input begins."""
+        return max(0, self.pending_start - (start - self.pending_h.shape[1]))
+
+    def keep_pending(self, h: torch.Tensor, consumed: int) -> None:
+        """h (B, P, hidden), the compressor's input from `pending_start` on, of which the first `consumed` tokens'
+        windows became entries: the rest is the next pending partial window."""
+        self.pending_h, self.pending_start = h[:, consumed:], self.pending_start + consumed
+
+    def slide_raw(self, k_all: torch.Tensor, v_all: torch.Tensor, k_pos: torch.Tensor, T: int) -> None:
+        """The raw window after T new tokens: the last L-1 keys and values of k_all, v_all (B, KVH, L-1+T, D)
+        (the window before them, then theirs) and their positions k_pos (L-1+T,)."""
+        self.raw_k, self.raw_v, self.raw_pos = k_all[:, :, T:], v_all[:, :, T:], k_pos[T:]
+
     def expanded(self) -> LayerCache:
         """A fresh cache with each context repeated `repeats` times along the batch: the forward of one
         layer extends this transient copy and drops it, so the shared cache is read, never written."""
