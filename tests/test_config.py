@@ -8,6 +8,7 @@ import math
 import pytest
 
 from phasekv.config import (
+    MAX_CONFIG_BYTES,
     DataConfig,
     EvalConfig,
     Experiment,
@@ -127,3 +128,71 @@ def test_sequence_length_counts_every_token_of_an_example():
     assert data.seq_len == 1 + 5 + 6 + 2 + (4 + 3) * 3  # <bos>, both filler budgets, scattered fillers, records
     with pytest.raises(ValueError, match="data.n_records: 5 distinct keys needed, only 4 exist"):
         DataConfig(n_records=5, n_keys=2, key_tokens=2, local_window=4)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: {}\nnotes: 2024-05-01\n", "value at notes is a date"),
+    ("model: {}\nwhen: 2024-05-01 10:00:00\n", "value at when is a timestamp"),
+    ("model: {}\nblob: !!binary aGVsbG8=\n", "value at blob is binary data"),
+    ("model: {}\ntags: !!set {a, b}\n", "value at tags is a set"),
+    ("model: {}\n? [a, b]\n: 1\n", "mapping key must be a plain value"),
+    ("model: {}\n1: x\n", "mapping key 1 at top level is a int"),
+    ("model: {}\nbad: !!timestamp 2024-13-45\n", "not valid YAML"),
+])
+def test_yaml_values_json_cannot_hold_are_refused_in_one_line(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_yaml(path)
+
+
+def test_override_values_and_config_size(tmp_path):
+    assert parse_override("train.lr=3e-3") == (["train", "lr"], 0.003)  # YAML 1.1 alone reads a string
+    assert parse_override("notes=hello") == (["notes"], "hello")
+    with pytest.raises(ValueError, match="is a date"):
+        parse_override("notes=2024-05-01")
+    big = tmp_path / "big.yaml"
+    big.write_text("model: {}\n" + "# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    with pytest.raises(ValueError, match="a config may hold at most"):
+        load_yaml(big)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        load_yaml(tmp_path)
+
+
+# every kind of node PyYAML's safe loader builds, as YAML text
+_SCALARS = ["1", "-3", "0x1f", "0o17", "1_000", "3.5", "3e-3", "1.0e+5", ".inf", "-.inf", ".nan", "true", "no", "~",
+            "null", "''", "hello", "'2024-05-01'", "2024-05-01", "2001-12-14t21:59:43.10-05:00", "2024-13-45",
+            "!!binary aGVsbG8=", "!!binary '@@@'", "!!int 7", "!!float 1", "!!str 5", "!!bool yes", "!!null ''",
+            "!!timestamp 2024-01-01", "!!set {a, b}", "!!omap [a: 1]", "!!pairs [a: 1]", "12:30:00", "1:20",
+            "&a 1", "*a", "!!python/object:os.system x", "'\\u00e9'", "\"\\x00\"", "[1, [2, [3]]]", "{a: {b: 1}}",
+            "{? [a]: 1}", "{[1]: 2}", "{1: 2}", "{null: 2}", "=", "<<: {a: 1}", "!custom 1", "%", "@x", "`x"]
+
+
+def _random_document(rng) -> str:
+    lines = ["model: {}"] if rng.random() < 0.8 else []
+    for i in range(rng.randrange(1, 4)):
+        key = rng.choice([f"k{i}", f"k{i}", f"k{i}", f"'k{i}'", f"? [k{i}]", f"{i}", f"2024-01-0{i + 1}"])
+        value = rng.choice(_SCALARS)
+        lines.append(f"{key}: {value}" if not key.startswith("?") else f"{key}\n: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def test_no_yaml_document_gives_a_traceback(tmp_path):
+    """Generated documents over every node type of the safe loader: each is accepted as plain JSON-writable data
+    (written back unchanged) or refused with a one-line ValueError; nothing else escapes."""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path / "c.yaml"
+    accepted = refused = 0
+    for _ in range(600):
+        path.write_text(_random_document(rng))
+        try:
+            tree = load_yaml(path)
+        except ValueError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith(f"config {path}")
+            refused += 1
+            continue
+        assert json.loads(json.dumps(tree, allow_nan=True)).keys() == tree.keys()
+        accepted += 1
+    assert accepted > 30 and refused > 30

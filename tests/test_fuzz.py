@@ -250,7 +250,7 @@ CASES = [
          "not divisible"),
     Case("train-eval-section-bad", TRAIN + " --set eval.stride=0", "eval.stride: must be >= 1"),
     Case("train-missing-config", "train {c}/nope.yaml --out {c}/out", "no such file"),
-    Case("train-config-is-dir", "train {c} --out {c}/out", "no such file"),
+    Case("train-config-is-dir", "train {c} --out {c}/out", "is not a regular file"),
     Case("train-empty-config", "train {c}/config.yaml --out {c}/out", "'model' section", yaml_file("")),
     Case("train-config-list", "train {c}/config.yaml --out {c}/out", "'model' section", yaml_file("- 1\n- 2\n")),
     Case("train-yaml-alias-bomb", "train {c}/config.yaml --out {c}/out", "aliases", yaml_file(ALIAS_BOMB)),
@@ -403,6 +403,18 @@ CASES = [
     Case("unknown-subcommand", "frobnicate", "invalid choice"),
     Case("no-subcommand", "", "required"),
     Case("unknown-flag", "eval --checkpoint {ws}/run --out {c}/out --bogus", "unrecognized arguments"),
+    # round 3: --out equal to, above or inside an input is refused, --force replaces only phasekv's own outputs
+    Case("eval-out-is-checkpoint", "eval --checkpoint {ws}/run --out {ws}/run --force", "is the input --checkpoint"),
+    Case("eval-out-holds-checkpoint", "eval --checkpoint {ws}/run/final --out {ws}/run --force",
+         "holds the input --checkpoint"),
+    Case("eval-out-inside-checkpoint", "eval --checkpoint {ws}/run --out {ws}/run/sub", "lies inside the input"),
+    Case("eval-hf-out-is-model", "eval --hf {ws}/hf --out {ws}/hf --force", "is the input --hf"),
+    Case("audit-hf-out-is-model", "audit --hf {ws}/hf --out {ws}/hf --force", "is the input --hf"),
+    Case("knockout-out-is-checkpoint", "knockout --checkpoint {ws}/run --out {ws}/run --force", "is the input"),
+    Case("reproduce-out-holds-checkpoints", "reproduce --checkpoints {ws}/run --out {ws} --force", "holds the input"),
+    Case("train-out-holds-config", "train {ws}/tiny.yaml --out {ws} --resume", "holds the input config"),
+    Case("force-over-a-users-directory", "eval --checkpoint {ws}/run --out {c}/mine --force", "is not a phasekv output",
+         setup=lambda ws, c: ((c / "mine").mkdir(), (c / "mine" / "notes.txt").write_text("mine"))),
 ]
 
 

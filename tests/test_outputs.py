@@ -2,10 +2,11 @@
 `phasekv eval` and `phasekv train`: test_reliability.py.)"""
 
 import os
+import subprocess
 
 import pytest
 
-from phasekv.outputs import check_output_dir, output_dir, publish, recover, write_atomic
+from phasekv.outputs import MARKER, check_output_dir, output_dir, publish, recover, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -24,30 +25,62 @@ def test_output_dir_publishes_only_a_complete_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def phasekv_output(out, files=("old.json",)):
+    """A directory as phasekv publishes it: its files and the marker."""
+    with output_dir(out) as tmp:
+        for name in files:
+            (tmp / name).write_text("old")
+    return out
+
+
 def test_a_failing_command_leaves_the_old_output_untouched(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.json").write_text("old")
+    out = phasekv_output(tmp_path / "out")
     with pytest.raises(RuntimeError, match="boom"), output_dir(out, force=True) as tmp:
         (tmp / "new.json").write_text("half")
         raise RuntimeError("boom")
-    assert sorted(p.name for p in out.iterdir()) == ["old.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "old.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the temporary directory is gone
 
 
-def test_a_non_empty_out_needs_force_and_force_replaces_it(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.json").write_text("old")
+def test_a_non_empty_out_needs_force_and_force_replaces_only_a_phasekv_output(tmp_path):
+    out = phasekv_output(tmp_path / "out")
     with pytest.raises(ValueError, match="exists and is not empty; pass --force"), output_dir(out):
         pass
     with output_dir(out, force=True) as tmp:
         (tmp / "new.json").write_text("new")
-    assert sorted(p.name for p in out.iterdir()) == ["new.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "new.json"]
     (tmp_path / "empty").mkdir()
     with output_dir(tmp_path / "empty") as tmp:  # an empty directory is no result: no --force needed
         (tmp / "x").write_text("x")
     assert (tmp_path / "empty" / "x").is_file()
+    mine = tmp_path / "models"  # a user's directory (say, a checkpoint): --force must not replace it
+    mine.mkdir()
+    (mine / "model.safetensors").write_text("weights")
+    with pytest.raises(ValueError, match="is not a phasekv output"), output_dir(mine, force=True):
+        pass
+    assert (mine / "model.safetensors").read_text() == "weights"
+
+
+def test_swap_names_never_collide_with_a_users_files(tmp_path):
+    out = phasekv_output(tmp_path / "results")
+    users = tmp_path / "results.old"  # the user's own backup beside --out
+    users.mkdir()
+    (users / "keep.txt").write_text("mine")
+    with output_dir(out, force=True) as tmp:
+        (tmp / "new.json").write_text("new")
+    assert (users / "keep.txt").read_text() == "mine" and sorted(p.name for p in users.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "results.old"]
+
+
+def test_stale_temporaries_of_killed_runs_are_removed(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = tmp_path / f".out.tmp-{dead.pid}"
+    stale.mkdir()
+    (stale / "half.json").write_text("x")
+    with output_dir(tmp_path / "out") as tmp:
+        (tmp / "m.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_out_must_be_a_real_writable_directory(tmp_path):
@@ -62,7 +95,7 @@ def test_out_must_be_a_real_writable_directory(tmp_path):
         check_output_dir(tmp_path / "link", force=True)
 
 
-def test_publish_replaces_through_old_and_recover_brings_it_back(tmp_path):
+def test_publish_swaps_atomically_and_recover_brings_a_swap_copy_back(tmp_path):
     directory, new = tmp_path / "d", tmp_path / "d.tmp"
     directory.mkdir()
     (directory / "v").write_text("1")
@@ -70,9 +103,11 @@ def test_publish_replaces_through_old_and_recover_brings_it_back(tmp_path):
     (new / "v").write_text("2")
     publish(new, directory)
     assert (directory / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
-    # a crash between publish's two renames leaves only d.old: recover (run by every next command) restores it
-    os.replace(directory, tmp_path / "d.old")
+    # without an atomic exchange, a crash between the two renames leaves only the unique swap copy: recover (run
+    # by every next command) restores it; a user's d.old is never taken for it
+    (tmp_path / "d.old").mkdir()
+    os.replace(directory, tmp_path / ".d.old-123-abcd")
     recover(directory)
-    assert (directory / "v").read_text() == "2" and not (tmp_path / "d.old").exists()
+    assert (directory / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["d", "d.old"]
     recover(directory)  # nothing to do
     assert (directory / "v").read_text() == "2"

@@ -64,11 +64,12 @@ print(json.dumps(statuses))
 '''
 
 
-def killed_runs(tmp_path: Path, jobs: list[tuple[str, int, list[str]]]) -> None:
+def killed_runs(tmp_path: Path, jobs: list[tuple[str, int, list[str]]], env: dict[str, str] | None = None) -> None:
     """Run each (function, call number, phasekv argv) job and check that it was killed there."""
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
-    result = subprocess.run([sys.executable, str(script), json.dumps(jobs)], env=ENV, capture_output=True,
+    result = subprocess.run([sys.executable, str(script), json.dumps(jobs)], env={**ENV, **(env or {})},
+                            capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     statuses = json.loads(result.stdout.strip().splitlines()[-1])
@@ -109,22 +110,29 @@ def tiny_yaml(tmp_path: Path, **train_overrides) -> Path:
 
 
 @pytest.mark.slow
-def test_eval_killed_at_every_publish_step_leaves_old_or_new(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", [True, False], ids=["rename-exchange", "two-renames"])
+def test_eval_killed_at_every_publish_step_leaves_old_or_new(tmp_path, monkeypatch, exchange):
+    monkeypatch.setattr(outputs_mod, "_USE_EXCHANGE", exchange)
     train(experiment(steps=3, checkpoint_every=3), tmp_path / "run", progress=False)
     base = ["eval", "--checkpoint", str(tmp_path / "run"), "--demos", "2", "--residue-modulus", "4", "--stride",
             "4", "--no-progress", "--force", "--out"]
     assert main(base + [str(tmp_path / "old")]) == 0  # the old, complete output
     old = snapshot(tmp_path / "old")
     calls = counting(monkeypatch, lambda: main(base + [str(tmp_path / "new"), "--seed", "1"]))
+    monkeypatch.setattr(outputs_mod, "_USE_EXCHANGE", exchange)  # counting's undo reset it
     new = snapshot(tmp_path / "new")
-    assert old != new and set(old) == set(new) == {"metrics.json", "predictions.jsonl", "accuracy_by_residue.png"}
-    # replacing an old --out: two renames and one removal in publish; fsyncs of files, then of directories
-    points = [("os.replace", 1), ("os.replace", 2), ("shutil.rmtree", 1), ("os.fsync", 1),
-              ("os.fsync", calls["os.fsync"])]
+    assert old != new and set(old) == set(new) == {"metrics.json", "predictions.jsonl", "accuracy_by_residue.png",
+                                                   outputs_mod.MARKER}
+    # replacing an old --out: one atomic exchange (or two renames) and one removal in publish; fsyncs of files,
+    # then of directories
+    points = [("shutil.rmtree", 1), ("os.fsync", 1), ("os.fsync", calls["os.fsync"])]
+    if not exchange:
+        points += [("os.replace", 1), ("os.replace", 2)]
     outs = [tmp_path / f"ev-{fn}-{at}" for fn, at in points]
     for out in outs:
         shutil.copytree(tmp_path / "old", out)
-    killed_runs(tmp_path, [(fn, at, base + [str(out), "--seed", "1"]) for (fn, at), out in zip(points, outs)])
+    env = {"PHASEKV_RENAME_EXCHANGE": "1" if exchange else "0"}
+    killed_runs(tmp_path, [(fn, at, base + [str(out), "--seed", "1"]) for (fn, at), out in zip(points, outs)], env)
     for point, out in zip(points, outs, strict=True):
         outputs_mod.recover(out)  # what the next command does first (check_output_dir)
         assert snapshot(out) in (old, new), point
@@ -160,16 +168,18 @@ def test_kill_while_final_is_replaced_on_a_longer_resume(tmp_path):
     def dies_replacing_final(src, dst):
         calls.append(dst)
         if Path(dst).name == "final":
-            raise KeyboardInterrupt  # final.old exists, final does not
+            raise KeyboardInterrupt  # the old final sits under its swap name, final does not exist
         return original(src, dst)
 
     outputs_mod.os.replace = dies_replacing_final
+    outputs_mod._USE_EXCHANGE = False  # the two-rename path: the atomic exchange has no such moment
     try:
         with pytest.raises(KeyboardInterrupt):
             train(longer, tmp_path / "run", resume=True, progress=False)
     finally:
         outputs_mod.os.replace = original
-    assert not (tmp_path / "run" / "final").exists() and (tmp_path / "run" / "final.old").is_dir()
+        outputs_mod._USE_EXCHANGE = True
+    assert not (tmp_path / "run" / "final").exists() and list((tmp_path / "run").glob(".final.old-*"))
     train(longer, tmp_path / "run", resume=True, progress=False)
     final, last = (load_file(str(tmp_path / "run" / d / "model.safetensors"))
                    for d in ("final", "checkpoints/step_000006"))
@@ -321,3 +331,21 @@ def test_kill_while_pruning_an_old_checkpoint(tmp_path, monkeypatch):
     assert train_mod._kept_checkpoints(run) == [run / "checkpoints" / "step_000006"]
     train(experiment(keep_checkpoints=1, steps=9), run, resume=True, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000009"]
+
+
+def test_resume_without_its_latest_pointer_continues_from_the_newest_checkpoint(tmp_path, caplog):
+    """`latest` lost (checkpoints and final/ present): --resume continues from the newest readable checkpoint,
+    never from step 0 over the existing checkpoints."""
+    cfg = tiny_yaml(tmp_path, checkpoint_every=2, steps=4)
+    train(Experiment.from_file(cfg), tmp_path / "ref", progress=False)
+    run = tmp_path / "run"
+    train(Experiment.from_file(cfg, ["train.steps=2"]), run, progress=False)
+    (run / "latest").unlink()
+    kept = (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="phasekv.train"):
+        train(Experiment.from_file(cfg), run, resume=True, progress=False)
+    assert any("at step 2" in r.getMessage() for r in caplog.records), caplog.text
+    assert (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns == kept  # not retrained
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    reference, resumed = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "ref", run))
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)

@@ -21,6 +21,7 @@ This module imports nothing of phasekv (it is the bottom layer).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -667,6 +668,9 @@ class _StrictLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool) and key is not None:  # a list or mapping as a key
+                raise yaml.YAMLError(f"a mapping key must be a plain value, got a {type(key).__name__}"
+                                     f"{key_node.start_mark}")
             if key in seen:
                 raise yaml.YAMLError(f"duplicate key {key!r}{key_node.start_mark}")
             seen.add(key)
@@ -686,6 +690,30 @@ def _depth(tree: Any, limit: int = MAX_NESTING) -> int:
     return deepest
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(tree: Any, where: str) -> None:
+    """Refuse, in one line, any value JSON cannot write back as it was read: a date or timestamp, !!binary
+    bytes, a !!set, a non-string mapping key.  Everything phasekv stores is plain JSON."""
+    stack = [(tree, "")]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"{where}: mapping key {key!r} at {at or 'top level'} is a "
+                                     f"{type(key).__name__}; keys must be strings (quote it)")
+                stack.append((value, f"{at}.{key}" if at else key))
+        elif isinstance(node, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(node))
+        elif not isinstance(node, _PLAIN):
+            kind = {"date": "a date", "datetime": "a timestamp", "bytes": "binary data", "set": "a set"}.get(
+                type(node).__name__, f"a {type(node).__name__}")
+            raise ValueError(f"{where}: value at {at or 'top level'} is {kind}, which a config cannot hold; "
+                             "quote it to make it a string")
+
+
 def parse_yaml(text: str, where: str) -> Any:
     try:
         tree = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
@@ -693,8 +721,11 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ValueError(f"{where}: nested more than {MAX_NESTING} levels deep") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{where}: not valid YAML ({' '.join(str(exc).split())[:160]})") from None
+    except (TypeError, ValueError) as exc:  # e.g. an out-of-range date, a malformed !!binary or timestamp
+        raise ValueError(f"{where}: not valid YAML ({' '.join(str(exc).split())[:160]})") from None
     if _depth(tree) > MAX_NESTING:
         raise ValueError(f"{where}: nested more than {MAX_NESTING} levels deep")
+    _check_plain(tree, where)
     return tree
 
 
@@ -718,7 +749,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ValueError(f"override {text!r}: empty key component")
-    return path, parse_yaml(value, f"override {text!r}")
+    parsed = parse_yaml(value, f"override {text!r}")
+    if isinstance(parsed, str):  # YAML 1.1 reads 3e-3 (no dot) as a string: take it as the number it is
+        with contextlib.suppress(ValueError):
+            number = float(parsed)
+            parsed = number if math.isfinite(number) else parsed
+    return path, parsed
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -737,10 +773,19 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+MAX_CONFIG_BYTES = 1 << 20  # an experiment YAML is a few KB; a larger file is refused before it is read
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"config {path}: is not a regular file (a directory, pipe or device: process "
+                         "substitution such as <(...) is not supported); write the config to a file")
     if not path.is_file():
         raise ValueError(f"config {path}: no such file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"config {path}: {path.stat().st_size} bytes; a config may hold at most "
+                         f"{MAX_CONFIG_BYTES} bytes")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:

@@ -1,16 +1,23 @@
 """Publishing files and directories so that a crash never leaves a half-written result.
 
-Every output is built under a temporary name, flushed to disk (fsync) and renamed into place; a
-directory that replaces an old one goes through `NAME.old`, which `recover` renames back if a crash
-happened in between.  `output_dir` is the one way commands write their `--out` directory: it refuses
-an existing non-empty directory unless `force`, builds the new one in a temporary sibling (so a
-symlink planted inside the old `--out` is never followed) and publishes it only when complete.
+Every output is built under a temporary name, flushed to disk (fsync) and renamed into place.  A
+directory that replaces an old one is swapped with it in ONE atomic step (Linux renameat2 with
+RENAME_EXCHANGE), so there is no moment without a destination; where the kernel lacks it, the old one
+goes through a swap name unique to the run (`.NAME.old-PID-RANDOM`, never a name a user could own, such
+as `NAME.old`), which `recover` renames back if a crash happened in between.  `output_dir` is the one way
+commands write their `--out` directory: it refuses an existing non-empty directory unless `force`, and
+even with `force` replaces only a directory phasekv wrote (it holds the `MARKER` file); it builds the new
+one in a temporary sibling (so a symlink planted inside the old `--out` is never followed), publishes it
+only when complete, and removes temporary siblings that killed runs left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,29 +53,81 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     fsync_dir(path.parent)
 
 
+MARKER = ".phasekv-output"  # every directory `output_dir` publishes holds this file: --force replaces only those
+_RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h)
+# PHASEKV_RENAME_EXCHANGE=0 takes the two-rename path (for file systems that refuse the exchange; and its tests)
+_USE_EXCHANGE = os.environ.get("PHASEKV_RENAME_EXCHANGE", "1") != "0"
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (renameat2 RENAME_EXCHANGE); False where the system lacks it."""
+    if not _USE_EXCHANGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_name(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+
+
 def publish(tmp: Path, directory: Path) -> None:
     """Rename the complete directory `tmp` to `directory`, replacing an old one; durable on return.
-    A crash at any moment leaves either the old or the new directory under a known name (`.old`
-    is renamed back by `recover`)."""
-    if directory.exists():
-        old = directory.with_name(directory.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(directory, old)
+    With an atomic exchange there is no moment without `directory`; otherwise a crash leaves the old
+    directory under its unique swap name, which `recover` renames back."""
+    if not directory.exists():
         os.replace(tmp, directory)
         fsync_dir(directory.parent)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, directory)
+        return
+    if _exchange(tmp, directory):  # tmp now holds the old directory
         fsync_dir(directory.parent)
+        shutil.rmtree(tmp)
+        return
+    old = _swap_name(directory)
+    os.replace(directory, old)
+    os.replace(tmp, directory)
+    fsync_dir(directory.parent)
+    shutil.rmtree(old)
 
 
 def recover(directory: Path) -> None:
-    """After a crash inside `publish`: bring back `directory` from its `.old` copy if it is missing."""
-    old = directory.with_name(directory.name + ".old")
-    if old.is_dir() and not directory.exists():
-        os.replace(old, directory)
+    """After a crash inside `publish`: bring back `directory` from its swap copy if it is missing."""
+    if directory.exists() or not directory.parent.is_dir():
+        return
+    swaps = sorted(directory.parent.glob(f".{directory.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if swaps and swaps[-1].is_dir():
+        os.replace(swaps[-1], directory)
         fsync_dir(directory.parent)
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Temporary siblings `.NAME.tmp-PID` of runs that were killed (their process is gone)."""
+    if not out.parent.is_dir():
+        return
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_output_dir(out: Path, force: bool) -> None:
@@ -79,9 +138,13 @@ def check_output_dir(out: Path, force: bool) -> None:
         raise ValueError(f"--out {out}: is a symbolic link; give a real directory path")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out}: exists and is not empty; pass --force to replace it or choose a new "
-                         "directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"--out {out}: exists and is not empty; pass --force to replace it or choose a new "
+                             "directory")
+        if not (out / MARKER).is_file():
+            raise ValueError(f"--out {out}: is not a phasekv output (it has no {MARKER} file), so --force will not "
+                             "replace it; choose a new directory or remove it yourself")
     parent = out.absolute().parent  # the nearest existing ancestor must be a writable directory
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -98,11 +161,13 @@ def output_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
+        (tmp / MARKER).write_text("written by phasekv: `--force` may replace this directory\n")
         yield tmp
         fsync_tree(tmp)
         check_output_dir(out, force)  # nothing appeared at --out meanwhile

@@ -164,8 +164,8 @@ def _read_state(ck: Path) -> dict[str, Any]:
 def _load_resume_point(run: Path, model, optimizer) -> int:
     """Load the newest readable checkpoint of `run` into model and optimizer; its step.  An unreadable
     newest checkpoint falls back to the previous kept one, with a warning."""
-    newest = latest_checkpoint(run)
-    candidates = [newest] + [p for p in reversed(_kept_checkpoints(run)) if p != newest]
+    newest = latest_checkpoint(run) if (run / "latest").is_file() else None  # the pointer may be lost
+    candidates = ([newest] if newest else []) + [p for p in reversed(_kept_checkpoints(run)) if p != newest]
     errors = []
     for ck in candidates:
         try:
@@ -215,7 +215,8 @@ def _leaves(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool, dd, model, optimizer) -> int:
     """Create or reopen the run directory; the step to start from.  `tree` is the config.json content."""
-    if resume and (run / "latest").is_file():
+    # a lost `latest` pointer never restarts a run that has checkpoints: resume from the newest readable one
+    if resume and ((run / "latest").is_file() or _kept_checkpoints(run)):
         check_resume_config(run, exp)
         start = _load_resume_point(run, model, optimizer)
         if dd.main:

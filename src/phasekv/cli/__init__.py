@@ -4,7 +4,10 @@ Each subcommand has one module in this package, listed in `COMMAND_MODULES` (in 
 `phasekv --help`), which exposes `add_parser(subparsers)`; the parser it adds sets `func`, which turns
 the parsed flags into typed arguments and calls one library function.  No library module defines an
 argparse parser.  Bad user input becomes one line on stderr and exit status 2 (130 on Ctrl-C), never a
-traceback (`-v` shows it); under torchrun only rank 0 prints it.
+traceback (`-v` shows it); a failure of phasekv itself (RuntimeError, MemoryError, a TypeError ...) is one line
+that says "internal error" and asks for a rerun with -v, exit status 1, so a bug never looks like the user's fault;
+under torchrun only rank 0 prints it.  An --out that is, holds or lies inside an input is refused before anything
+runs.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 # seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
 # printed, when rank 1 failed first)
@@ -47,6 +52,33 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
+# flags whose value is something the command reads (a checkpoint, a model directory, a config, a tokenizer...)
+INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "configs", "format", "reference_hf")
+POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
+FILE_INPUTS = ("config", "format")  # inputs that are files (a directory there is refused by the command itself)
+
+
+def check_inputs_untouched(args: argparse.Namespace) -> None:
+    """Refuse an --out that is, holds or lies inside one of the command's inputs: publishing --out replaces
+    the directory, so with --force it would delete what the command was given."""
+    out = getattr(args, "out", None)
+    if not isinstance(out, str) or not out:
+        return
+    target = Path(os.path.realpath(out))
+    for name in INPUT_FLAGS:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not value or not os.path.exists(value):
+            continue
+        if name in FILE_INPUTS and not os.path.isfile(value):
+            continue
+        source = Path(os.path.realpath(value))
+        if target == source or target in source.parents or source in target.parents:
+            relation = ("is" if target == source else "holds" if target in source.parents else "lies inside")
+            label = name if name in POSITIONAL_INPUTS else f"--{name.replace('_', '-')}"
+            raise ValueError(f"--out {out}: {relation} the input {label} {value}; phasekv never writes over what it "
+                             "reads: choose another --out")
+
+
 def _one_line(exc: BaseException) -> str:
     """The error as one line: the message, or the exception type for errors without one."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -60,8 +92,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from safetensors import SafetensorError
 
-    return (ValueError, OSError, pickle.UnpicklingError, SafetensorError, RuntimeError, MemoryError,
-            RecursionError, UnicodeError)
+    return (ValueError, OSError, pickle.UnpicklingError, SafetensorError, UnicodeError)
+
+
+# failures of phasekv itself (or of a library under it), not of the input: one line that says so, exit 1
+_INTERNAL = (RuntimeError, MemoryError, RecursionError, TypeError, KeyError, IndexError, AttributeError, AssertionError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from phasekv.distributed import is_main
 
     try:
+        check_inputs_untouched(args)
         args.func(args)
     except KeyboardInterrupt:
         if is_main():
@@ -84,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun stops every rank as soon as one exits: give rank 0 the time to print the error
             time.sleep(RANK_ERROR_GRACE_S)
         return 2
+    except _INTERNAL as exc:
+        if args.verbose:
+            traceback.print_exc()
+        if is_main():
+            print(f"phasekv {args.command}: internal error: {type(exc).__name__}: {_one_line(exc)} (if the input is "
+                  "valid this is a bug in phasekv; rerun with -v for the traceback)", file=sys.stderr)
+        else:
+            time.sleep(RANK_ERROR_GRACE_S)
+        return 1
     return 0
 
 
