@@ -71,7 +71,7 @@ def test_eval_and_audit_commands_take_a_format(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--press", "knorm"], "kvpress presses are not available"),
+    (["--press", "squash"], "unknown press 'squash'"),
     (["--compress", "none", "select:99"], "select"),
     (["--compress", "none", "squash"], "squash"),
     (["--window", "4", "--stride", "8"], "stride"),

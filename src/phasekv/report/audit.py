@@ -9,8 +9,10 @@ and evaluate it under each condition:
     select:r, mean, max-norm[+keep-first:n]
                     post-hoc chunk compression of the prefilled cache (`phasekv.evaluate.posthoc`):
                     one entry per window of W tokens every S tokens, older than the local window
-    press:NAME      a kvpress press applied during prefill: refused with one line for now (kvpress 0.5.5
-                    pins transformers < 5.3; phasekv needs >= 5.24)
+    press:NAME[:k=v,...]
+                    a kvpress 0.5.5 press applied during prefill, the queries continued on the cache it
+                    left (`phasekv.evaluate.presses`; `make kvpress` installs it), e.g.
+                    press:chunkkv:press=knorm,ratio=0.5,chunk=8
 
 Both padding protocols (exact position matching), per-phase accuracy with intervals, the chance
 level, the detected period and a one-line verdict per condition go into OUT/summary.json (the one
@@ -42,7 +44,7 @@ from phasekv.report.reproduce import METRIC_KEYS, check_finite
 
 log = logging.getLogger(__name__)
 
-AUDIT_KEYS = (*METRIC_KEYS, "chance", "can_do_task", "verdict")
+AUDIT_KEYS = METRIC_KEYS
 
 
 def check_conditions(conditions: tuple[str, ...], window: int, stride: int, local_window: int) -> None:
@@ -52,10 +54,10 @@ def check_conditions(conditions: tuple[str, ...], window: int, stride: int, loca
     check_geometry(window, stride, local_window)
     for condition in conditions:
         if condition.startswith("press:"):
-            raise ValueError(f"--press {condition[len('press:'):]}: kvpress presses are not available: kvpress "
-                             "0.5.5 requires transformers < 5.3 and phasekv needs >= 5.24 (use the post-hoc "
-                             "conditions select:r, mean, max-norm)")
-        if condition != "none":
+            from phasekv.evaluate.presses import check_press
+
+            check_press(condition[len("press:"):])
+        elif condition != "none":
             parse_policy(condition, window)
 
 
@@ -63,22 +65,19 @@ def condition_adapter(base: Adapter, condition: str, window: int, stride: int, l
     """The adapter that evaluates `base` under one condition (see the module docstring)."""
     if condition == "none":
         return base
+    if condition.startswith("press:"):
+        from phasekv.evaluate.presses import PressAdapter
+
+        return PressAdapter(base, condition[len("press:"):], stride=stride)
     from phasekv.evaluate.posthoc import PosthocAdapter
 
     return PosthocAdapter(base, condition, window=window, stride=stride, local_window=local_window)
 
 
-def compressed_verdict(m: dict[str, Any], chance: float) -> dict[str, Any]:
-    """`task_verdict` for a compressed condition of a model that passed the capability gate: a collapse to
-    chance at most phases is the finding, not an inability to do the task."""
-    result = task_verdict(m, chance)
-    tail = f"accuracy {100 * m['mean_accuracy']:.1f}%, chance {100 * chance:.1f}%"
-    if m["flatness_p"] < 0.05:
-        result["verdict"] = (f"phase sensitive: period {m['detected_period']}, gap {m['max_gap_pp']:.1f} pp "
-                             f"(flatness p = {m['flatness_p']:.3g}; {tail})")
-    elif not result["can_do_task"]:
-        result["verdict"] = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
-    return result
+def compressed_verdict(m: dict[str, Any], chance: float, in_context_chance: float) -> dict[str, Any]:
+    """`task_verdict` for a compressed condition of a model that passed the capability gate uncompressed: a collapse
+    to chance at most phases is the finding, not an inability to do the task."""
+    return task_verdict(m, chance, in_context_chance, capable=True)
 
 
 def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int, progress: bool,
@@ -117,6 +116,8 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
                                                batch_size, seed, progress, condition != "none")
                                   for p, s in sets.items()}
             results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
+            if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
+                results[condition]["kept"] = cond_adapter.kept()
             if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
                 log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
                 break
@@ -157,19 +158,21 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
              f"<p class='note'>Format {html.escape(summary['format']['format']['name'])}; windows of "
              f"{summary['settings']['window']} tokens every {summary['settings']['stride']} (phase = position mod "
              f"{summary['settings']['stride']}); the last {summary['settings']['local_window']} tokens stay raw. "
-             "Accuracy = top-1 of the answer's first token; chance = 1 / possible answer tokens.</p>"]
+             "Accuracy = top-1 of the answer's first token; in-context chance = the accuracy of copying a random value "
+             "present in the prompt (the capability gate's baseline); format chance = 1 / possible answer tokens.</p>"]
     if not summary["can_do_task"]:
         first = summary["settings"]["protocols"][0]
         parts.append(f"<p class='no'>{html.escape(conditions['none'][first]['verdict'])} with this format: "
                      "no compressed condition was evaluated.</p>")
     for protocol in summary["settings"]["protocols"]:
-        parts.append(f"<h2>{protocol} padding</h2><table><tr><th>condition</th><th>mean %</th><th>chance %</th>"
+        parts.append(f"<h2>{protocol} padding</h2><table><tr><th>condition</th><th>mean %</th>"
+                     "<th>in-context chance %</th><th>format chance %</th>"
                      "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
         for name, result in conditions.items():
             m = result[protocol]
             worst = min(r["accuracy"] for r in m["per_phase"])
             parts.append(f"<tr><td>{html.escape(name)}</td><td>{_pct(m['mean_accuracy'])}</td>"
-                         f"<td>{_pct(m['chance'])}</td><td>{_pct(worst)}</td><td>{m['max_gap_pp']:.1f}</td>"
+                         f"<td>{_pct(m['in_context_chance'])}</td><td>{_pct(m['chance'])}</td><td>{_pct(worst)}</td><td>{m['max_gap_pp']:.1f}</td>"
                          f"<td>{m['detected_period']}</td><td>{m['flatness_p']:.3g}</td>"
                          f"<td>{html.escape(m['verdict'])}</td></tr>")
         parts.append("</table>")

@@ -299,8 +299,8 @@ def _compare(models, claim: str, paper: str, metric: str, a: str, b: str) -> dic
     unit = "pp" if metric == "gap" else "%"
     why = next(filter(None, (_unable(models[n]["prefix"]) for n in (a, b))), None)
     return _finding(claim, paper, f"interval of {metric}({b}) - {metric}({a}) above 0",
-                    f"{metric} {va:.1f} {unit} {_ci(ca)} vs {vb:.1f} {unit} {_ci(cb)}; difference {vb - va:.1f} "
-                    f"{_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va, diff, 0.0, why,
+                    f"{metric} {a} {va:.1f} {unit} {_ci(ca)}, {b} {vb:.1f} {unit} {_ci(cb)}; difference "
+                    f"{vb - va:.1f} {_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va, diff, 0.0, why,
                     ordering=True, models=[a, b], values=[va, vb], intervals=[ca, cb])
 
 
