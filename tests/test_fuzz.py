@@ -412,6 +412,8 @@ CASES = [
     Case("audit-hf-out-is-model", "audit --hf {ws}/hf --out {ws}/hf --force", "is the input --hf"),
     Case("knockout-out-is-checkpoint", "knockout --checkpoint {ws}/run --out {ws}/run --force", "is the input"),
     Case("reproduce-out-holds-checkpoints", "reproduce --checkpoints {ws}/run --out {ws} --force", "holds the input"),
+    Case("export-out-is-tokenizer", "export lm-eval --tokenizer {ws}/hf --out {ws}/hf --force",
+         "is the input --tokenizer"),
     Case("train-out-holds-config", "train {ws}/tiny.yaml --out {ws} --resume", "holds the input config"),
     Case("force-over-a-users-directory", "eval --checkpoint {ws}/run --out {c}/mine --force", "is not a phasekv output",
          setup=lambda ws, c: ((c / "mine").mkdir(), (c / "mine" / "notes.txt").write_text("mine"))),
