@@ -78,8 +78,8 @@ def test_export_command_writes_a_task_and_refuses_bad_input(model_dir, tmp_path,
                  "insequence", "--records", "24", "--demos", "2", "--residue-modulus", "8", "--clusters", "8",
                  "--out", str(out)]) == 0
     assert "wrote task phasekv_records_insequence (512 prompts" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == ["export.json", "phasekv_records_insequence.yaml",
-                                                      "prompts.jsonl", "utils.py"]
+    assert sorted(p.name for p in out.iterdir()) == [".phasekv-output", "export.json",
+                                                      "phasekv_records_insequence.yaml", "prompts.jsonl", "utils.py"]
     docs = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert {d["residue"] for d in docs} == set(range(8)) and all(d["residue"] % 8 == d["phase"] for d in docs)
     assert "acc_residue_7" in (out / "phasekv_records_insequence.yaml").read_text()
