@@ -1,23 +1,35 @@
-"""`phasekv audit --hf DIR [--gguf-file NAME] --format records --compress none select:3 mean --out OUT`."""
+"""`phasekv audit --hf DIR [--gguf-file NAME] --format records --compress none select:3 mean --out OUT`, or the
+model as an inference engine serves it: `phasekv audit --endpoint URL --api llamacpp|openai|sglang --tokenizer DIR
+[--gguf-file NAME] [--concurrency N] [--reuse-prefix] [--resume] --out OUT` (the engine's own compression is what
+is audited, so only the condition `none` applies; answers are journaled in OUT.journal.jsonl as they arrive)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from phasekv.cli.evaluate import add_endpoint_arguments, open_endpoint_from_args
+
+HF_CONDITIONS = ("none", "select:3+keep-first:1", "mean+keep-first:1")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
-    p.add_argument("--hf", required=True, help="transformers causal LM: local directory (or hub name)")
-    p.add_argument("--gguf-file", help="load this GGUF file inside --hf (needs the gguf extra: make real-model)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
+    add_endpoint_arguments(p, source)
+    p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
+                                       "extra: make real-model)")
     p.add_argument("--format", default="records", help="prompt format: records, records-names, needle, bare, or a "
                                                        "YAML file")
     p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
-    p.add_argument("--compress", nargs="+", default=["none", "select:3+keep-first:1", "mean+keep-first:1"],
-                   metavar="COND", help="conditions: none, select:r, mean, max-norm, each optionally "
-                                        "+keep-first:n (the attention sink)")
-    p.add_argument("--press", action="append", default=[], metavar="NAME",
-                   help="a kvpress press as one more condition (press:NAME); not available with transformers 5.24")
+    p.add_argument("--compress", nargs="+", default=None, metavar="COND",
+                   help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
+                        "sink); default: " + " ".join(HF_CONDITIONS) + "; none only with --endpoint")
+    p.add_argument("--press", action="append", default=[], metavar="NAME[:k=v,...]",
+                   help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, snapkv, "
+                        "streaming, expected-attention, tova, keydiff, or chunkkv, chunk, block over one of them "
+                        "(press=NAME), e.g. chunkkv:press=knorm,ratio=0.5,chunk=8")
     p.add_argument("--window", type=int, default=8, help="W: tokens per compressed entry")
     p.add_argument("--stride", type=int, default=8, help="S: a window starts every S tokens (phase = position mod S)")
     p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
@@ -50,12 +62,25 @@ def run(args) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)
-    conditions = (*args.compress, *(f"press:{name}" for name in args.press))
+    conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
+                  *(f"press:{name}" for name in args.press))
     check_conditions(conditions, args.window, args.stride, args.local_window)  # before loading the model
-    adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
-    summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
-                        args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
-                        args.batch_size, args.force, not args.no_progress, chat=args.chat)
+    if args.endpoint is not None:
+        from phasekv.evaluate.endpoint import check_endpoint_conditions, keep_journal
+
+        check_endpoint_conditions(conditions)
+        adapter, tokenizer = open_endpoint_from_args(args)
+    else:
+        adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
+    try:
+        summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
+                            args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
+                            args.batch_size, args.force, not args.no_progress, chat=args.chat)
+    finally:
+        if args.endpoint is not None:
+            adapter.close()
+    if args.endpoint is not None:
+        keep_journal(adapter, args.out)
     for name, result in summary["conditions"].items():
         print(f"{name:>24}  prefix: {result['prefix']['verdict']}")
     return summary

@@ -2,6 +2,7 @@
 
     phasekv eval --checkpoint DIR --protocol prefix --out OUT
     phasekv eval --hf PATH --protocol insequence --stride 4 --out OUT
+    phasekv eval --endpoint URL --api llamacpp --tokenizer DIR --format records --out OUT   (a served model)
     torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
 
 Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags
@@ -11,6 +12,7 @@ shared with the probes (model source and prompt set) are defined here once.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from phasekv.config import PROTOCOLS
@@ -21,10 +23,39 @@ _EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clu
                "device_map", "format", "chat", "gguf_file", "threads")
 
 
-def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name") -> None:
+def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name"):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
     src.add_argument("--hf", help=hf_help)
+    return src
+
+
+def add_endpoint_arguments(p, source) -> None:
+    """--endpoint (one more choice of the `source` group) and its flags (shared by eval and audit)."""
+    source.add_argument("--endpoint", metavar="URL", help="an inference engine serving the model, e.g. "
+                                                          "http://127.0.0.1:8080 (llama.cpp, vLLM, SGLang)")
+    p.add_argument("--api", default="llamacpp", help="--endpoint: llamacpp (/completion), openai (/v1/completions) "
+                                                     "or sglang (/generate)")
+    p.add_argument("--tokenizer", metavar="DIR", help="--endpoint: the served model's tokenizer (prompts are sent as "
+                                                      "its token ids; with --gguf-file, read from that GGUF file)")
+    p.add_argument("--model", help="--endpoint: the served model's name (default: the one model the server serves)")
+    p.add_argument("--concurrency", type=int, default=1, help="--endpoint: requests in flight at once")
+    p.add_argument("--reuse-prefix", action="store_true", help="--endpoint: send a context's queries back to back "
+                                                               "with the engine's prompt cache on (default: off)")
+    p.add_argument("--timeout", type=float, default=600.0, help="--endpoint: seconds one request may take")
+    p.add_argument("--resume", action="store_true", help="--endpoint: continue the journal of a killed run, "
+                                                         "OUT.journal.jsonl (only unanswered prompts are sent)")
+
+
+def open_endpoint_from_args(args):
+    """(EndpointAdapter, tokenizer) of the --endpoint flags; the journal lives beside --out until it is published."""
+    from phasekv.evaluate.endpoint import journal_path, open_endpoint
+
+    if args.tokenizer is None:
+        raise ValueError("--endpoint: needs --tokenizer DIR (the served model's tokenizer)")
+    return open_endpoint(args.endpoint, args.api, args.tokenizer, getattr(args, "gguf_file", None), args.model,
+                         args.concurrency, args.reuse_prefix, journal_path(args.out), args.resume,
+                         fresh=args.force and not args.resume, timeout=args.timeout)
 
 
 def add_prompt_arguments(p) -> None:
@@ -85,7 +116,10 @@ def source_and_config(args):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="accuracy by phase/residue of the lookup task, with intervals")
-    add_source_arguments(p)
+    add_endpoint_arguments(p, add_source_arguments(p))
+    p.add_argument("--reference-hf", metavar="DIR", help="--endpoint: the same weights in transformers (with "
+                                                         "--gguf-file: that GGUF inside DIR): writes comparison.json, "
+                                                         "engine vs reference agreement per phase")
     add_prompt_arguments(p)
     p.set_defaults(func=run)
 
@@ -93,5 +127,33 @@ def add_parser(sub) -> None:
 def run(args) -> dict[str, Any]:
     from phasekv.evaluate.runner import run_eval
 
+    if args.endpoint is not None:
+        return run_endpoint(args)
+    if args.reference_hf is not None:
+        raise ValueError("--reference-hf: compares a served model with its weights in process: needs --endpoint")
     source, cfg = source_and_config(args)
     return run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
+
+
+def run_endpoint(args) -> dict[str, Any]:
+    """`phasekv eval --endpoint`: the flags' prompt set through the served model (and through --reference-hf)."""
+    from phasekv.config import EvalConfig, from_section
+    from phasekv.evaluate.compare import evaluate_endpoint
+    from phasekv.outputs import check_output_dir
+
+    cfg = from_section(EvalConfig, given_flags(args), "eval")
+    check_output_dir(Path(args.out), args.force)  # before anything is loaded or asked
+    reference = None
+    if args.reference_hf is not None:
+        import torch
+
+        from phasekv.evaluate.hf import load_hf
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        reference, _ = load_hf(args.reference_hf, cfg.device, cfg.dtype, gguf_file=cfg.gguf_file)
+    adapter, tokenizer = open_endpoint_from_args(args)
+    try:
+        return evaluate_endpoint(adapter, tokenizer, cfg, args.out, args.force, not args.no_progress, reference)
+    finally:
+        adapter.close()

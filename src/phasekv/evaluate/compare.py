@@ -1,0 +1,114 @@
+"""Engine vs reference: the same prompts through a served model and through transformers on the same weights.
+
+For every prompt the engine's greedy next token is compared with the reference's argmax, and the two
+log-probabilities of the engine's token are differenced (engine minus reference; the engine's own log-probability
+comes from its top-k answer).  Agreement is reported overall, per source phase (the target record's position mod
+S) and per query phase (the last prompt position mod S), each with a Wilson 95% interval: an engine whose
+disagreements concentrate on some phases is a finding about the engine, not about the model.
+
+The reference runs through `predict` (contexts prefilled once, each query continued from the cache); `_Recorder`
+keeps, per prompt, the reference's argmax and its log-probability of the engine's token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phasekv.data.protocols import EvalSet
+from phasekv.evaluate.adapter import Adapter
+from phasekv.evaluate.endpoint import EndpointAdapter, keep_journal, prompt_key
+from phasekv.evaluate.metrics import wilson_interval
+from phasekv.evaluate.runner import predict
+
+
+class _Recorder(Adapter):
+    """`base`, recording for each prompt it scores (by `prompt_key`) its argmax and log-probability of `tokens[key]`."""
+
+    def __init__(self, base: Adapter, tokens: dict[str, int]):
+        self.base, self.info, self.module, self.device = base, base.info, base.module, base.device
+        self.shares_cache, self.tokens = base.shares_cache, tokens
+        self.seen: dict[str, tuple[int, float]] = {}
+
+    def check_length(self, length: int) -> None:
+        self.base.check_length(length)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.base.logits(ids)
+        self._record(ids.tolist(), out)
+        return out
+
+    def prefill(self, ids: torch.Tensor):
+        return self.base.prefill(ids), ids.tolist()
+
+    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        inner, contexts = cache
+        out = self.base.continue_from(inner, ids, repeats)
+        self._record([contexts[row // repeats] + q for row, q in enumerate(ids.tolist())], out)
+        return out
+
+    def _record(self, prompts: list[list[int]], logits: torch.Tensor) -> None:
+        logp = torch.log_softmax(logits[:, -1].double(), -1)  # (B, V)
+        for prompt, lp in zip(prompts, logp, strict=True):
+            key = prompt_key(prompt)
+            self.seen[key] = (int(lp.argmax()), float(lp[self.tokens[key]]))
+
+
+def compare(engine: EndpointAdapter, reference: Adapter, eval_set: EvalSet, batch_size: int = 16) -> dict[str, Any]:
+    """comparison.json's content for one prompt set (the engine's answers already journaled are not asked again)."""
+    prompts = eval_set.prompts()
+    keys = [prompt_key(p.ids) for p in prompts]
+    answers = [group[0] for group in engine.answer([[p.ids] for p in prompts])]
+    recorder = _Recorder(reference, {k: a.token for k, a in zip(keys, answers, strict=True)})
+    predict(recorder, eval_set, batch_size, progress=False)
+    rows = []
+    for p, key, answer in zip(prompts, keys, answers, strict=True):
+        ref_top, ref_logp = recorder.seen[key]
+        own = dict(answer.top).get(answer.token)
+        rows.append({"phase": p.query.phase, "query_phase": (len(p.ids) - 1) % eval_set.stride,
+                     "agree": ref_top == answer.token, "dlogp": None if own is None else own - ref_logp})
+    return {"protocol": eval_set.protocol, "stride": eval_set.stride, "engine": engine.info.name,
+            "reference": reference.info.name, "overall": _group(rows),
+            "per_phase": _per(rows, "phase"), "per_query_phase": _per(rows, "query_phase")}
+
+
+def _per(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    groups: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[r[key]].append(r)
+    return [{key: g, **_group(groups[g])} for g in sorted(groups)]
+
+
+def _group(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    k, n = sum(r["agree"] for r in rows), len(rows)
+    low, high = wilson_interval(k, n)
+    diffs = np.array([r["dlogp"] for r in rows if r["dlogp"] is not None])
+    return {"n": n, "agree": k, "agreement": k / n, "ci_low": low, "ci_high": high,
+            "mean_abs_dlogp": float(np.abs(diffs).mean()) if diffs.size else None,
+            "max_abs_dlogp": float(np.abs(diffs).max()) if diffs.size else None}
+
+
+def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path, force: bool = False,
+                      progress: bool = True, reference: Adapter | None = None) -> dict[str, Any]:
+    """`phasekv eval --endpoint`: the prompt set `cfg` (an EvalConfig) describes for the served model, evaluated
+    and published as OUT (the files of `phasekv eval`, plus endpoint.json and the journal); with `reference` (the
+    same weights in process), OUT/comparison.json too (`phasekv.evaluate.compare`)."""
+    from phasekv.evaluate.runner import write_run
+    from phasekv.evaluate.sources import make_eval_set, prompt_settings, tokenizer_vocabulary
+    from phasekv.outputs import output_dir
+
+    vocab, defaults = tokenizer_vocabulary(tokenizer, cfg)
+    eval_set = make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **prompt_settings(cfg, defaults))
+    records = predict(adapter, eval_set, cfg.batch_size or 32, not cfg.one_by_one, progress)
+    comparison = compare(adapter, reference, eval_set) if reference is not None else None
+    with output_dir(out, force) as tmp:
+        metrics = write_run(adapter, eval_set, records, tmp, cfg.seed)
+        if comparison is not None:
+            (tmp / "comparison.json").write_text(json.dumps(comparison, indent=2, sort_keys=True) + "\n")
+    keep_journal(adapter, out)
+    return metrics

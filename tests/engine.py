@@ -1,0 +1,137 @@
+"""The real inference engine for the end-to-end tests: llama.cpp's llama-server (`make engine` builds it).
+
+`llama_server(model_file)` starts the binary on a free loopback port, waits until /health answers (the model
+is loaded) and stops it on exit.  `CountingProxy` forwards requests to a server and counts the prompts it sees, so
+a test can prove that no prompt was sent twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+from phasekv.evaluate.endpoint import prompt_key
+from tests.helpers import SMOL, SMOL_FILE
+
+# where `make engine` puts the binary (the Makefile's ENGINE)
+ENGINE = Path(os.environ.get("PHASEKV_ENGINE", Path.home() / ".cache" / "phasekv" / "llama.cpp"))
+LLAMA_SERVER = ENGINE / "bin" / "llama-server"
+engine_present = LLAMA_SERVER.is_file() and (SMOL / SMOL_FILE).is_file()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(model: Path = SMOL / SMOL_FILE, slots: int = 4, context: int = 8192, threads: int = 1,
+                 startup_s: float = 180.0, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """The URL of a llama-server serving `model` with `slots` parallel sequences of `context // slots` tokens each
+    (`extra`: more flags); the server is stopped (and its log kept for the error message) when the block ends."""
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log") as logfile:
+        process = subprocess.Popen([str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                                    "-t", str(threads), "-c", str(context), "-np", str(slots), "--no-webui", *extra],
+                                   stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup_s
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {process.returncode}: {_tail(logfile)}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server not healthy after {startup_s:.0f} s: {_tail(logfile)}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to end the server when the process that started it dies (a killed test run
+    leaves no server behind, which `finally` alone cannot promise)."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(logfile) -> str:
+    logfile.flush()
+    logfile.seek(0)
+    return " | ".join(logfile.read().strip().splitlines()[-5:])
+
+
+class CountingProxy:
+    """A loopback HTTP proxy to `target` that counts the prompts of the POSTs it forwards, by their journal key
+    (`phasekv.evaluate.endpoint.prompt_key` of the body's "prompt" or "input_ids")."""
+
+    def __init__(self, target: str):
+        self.target = target.rstrip("/")
+        self.prompts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._client = httpx.Client(timeout=600)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                request = json.loads(body)
+                with proxy._lock:
+                    proxy.prompts[prompt_key(request.get("prompt", request.get("input_ids")))] += 1
+                self._forward(body)
+
+            def _forward(self, body):
+                try:
+                    answer = proxy._client.request(self.command, proxy.target + self.path, content=body,
+                                                   headers={"Content-Type": "application/json"})
+                except httpx.TransportError:
+                    self.send_error(502)
+                    return
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
+                    self.send_response(answer.status_code)
+                    self.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
+                    self.send_header("Content-Length", str(len(answer.content)))
+                    self.end_headers()
+                    self.wfile.write(answer.content)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> CountingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._client.close()
