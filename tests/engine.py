@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 
 from phasekv.evaluate.endpoint import prompt_key
-from tests.helpers import SMOL, SMOL_FILE
+from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE
 
 # where `make engine` puts the binary (the Makefile's ENGINE)
 ENGINE = Path(os.environ.get("PHASEKV_ENGINE", Path.home() / ".cache" / "phasekv" / "llama.cpp"))
 LLAMA_SERVER = ENGINE / "bin" / "llama-server"
-engine_present = LLAMA_SERVER.is_file() and (SMOL / SMOL_FILE).is_file()
+engine_present = LLAMA_SERVER.is_file() and REAL_MODEL_PRESENT
 
 
 def free_port() -> int:
