@@ -191,7 +191,7 @@ def test_run_knockout_writes_the_map(family, whole_layer, vocab, eval_set, tmp_p
         assert rel is None or rel[0] <= rel[1]
     assert any(abs(v) > 0 for r in result["rows"] for v in r["per_phase_rel_change_pct"])
     assert json.loads((tmp_path / "knockout.json").read_text())["rows"] == result["rows"]
-    assert (tmp_path / "knockout.png").stat().st_size > 0 and result["heatmap"].endswith("knockout.png")
+    assert (tmp_path / "knockout.png").stat().st_size > 0 and result["heatmap"] == "knockout.png"
     assert no_hooks_left(adapter.module)
 
 
