@@ -92,3 +92,19 @@ def bpe_tokenizer(prose: bool = False):
         wrapped.chat_template = ("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
                                  "{% if add_generation_prompt %}<s>[assistant]{% endif %}")
     return wrapped
+
+
+def tiny_causal_lm(family: str, vocab: int, max_positions: int, attention: str):
+    """A tiny random transformers Llama or Qwen3 causal LM (float32) with the given attention implementation."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    model.config._attn_implementation = attention
+    return model.float()

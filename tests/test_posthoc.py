@@ -12,20 +12,13 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from phasekv.evaluate.adapter import HFAdapter  # noqa: E402
 from phasekv.evaluate.posthoc import PosthocAdapter, compress_cache, parse_policy  # noqa: E402
+from tests.helpers import tiny_causal_lm  # noqa: E402
 
 VOCAB, T, Q = 61, 37, 3  # context length, query length
 
 
 def _tiny(family: str, attention: str = "eager") -> HFAdapter:
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    model.config._attn_implementation = attention
-    return HFAdapter(model.float(), f"{family}-{attention}")
+    return HFAdapter(tiny_causal_lm(family, VOCAB, 256, attention), f"{family}-{attention}")
 
 
 @pytest.fixture(scope="module", params=[("llama", "eager"), ("qwen3", "eager"), ("qwen3", "sdpa")], ids="-".join)

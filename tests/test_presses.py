@@ -21,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from phasekv.evaluate import presses  # noqa: E402
 from phasekv.evaluate.adapter import HFAdapter  # noqa: E402
 from phasekv.evaluate.presses import PressAdapter, parse_press  # noqa: E402
-from tests.helpers import SMOL, SMOL_FILE, needs_real, needs_real_model  # noqa: E402
+from tests.helpers import SMOL, SMOL_FILE, needs_real, needs_real_model, tiny_causal_lm  # noqa: E402
 
 needs_kvpress = needs_real(importlib.util.find_spec("kvpress") is not None, "kvpress not installed (make kvpress)")
 
@@ -36,15 +36,7 @@ SPECS = [
 
 
 def _tiny(family: str) -> HFAdapter:
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    model.config._attn_implementation = "sdpa"
-    return HFAdapter(model.float().eval(), family)
+    return HFAdapter(tiny_causal_lm(family, VOCAB, 1024, "sdpa").eval(), family)
 
 
 def _ids(rows: int, length: int, seed: int) -> torch.Tensor:

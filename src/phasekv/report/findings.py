@@ -131,13 +131,13 @@ def _mean(p: dict[str, Any]) -> tuple[float, list[float] | None]:
 
 
 def _gate(p: dict[str, Any]) -> float:
-    """The capability gate in %: 2 x the in-context chance (the format's chance for summaries that predate it)."""
-    return 100 * CHANCE_FACTOR * p.get("in_context_chance", p["chance"])
+    """The capability gate in %: 2 x the in-context chance."""
+    return 100 * CHANCE_FACTOR * p["in_context_chance"]
 
 
 def _unable(p: dict[str, Any]) -> str | None:
     """Why a phase claim about this protocol result is empty (the model cannot do the task), else None."""
-    if p.get("can_do_task", True):
+    if p["can_do_task"]:
         return None
     return f"inconclusive: cannot do the task (mean {100 * p['mean_accuracy']:.1f}% vs gate {_gate(p):.1f}%)"
 

@@ -130,7 +130,7 @@ def _findings(findings: list[dict[str, Any]]) -> list[str]:
              "<th>rule</th><th>verdict</th></tr>"]
     style = {"holds": "ok", "fails": "no", "inconclusive": "note", "not measured": "note"}
     for f in findings:
-        status = f.get("status", {True: "holds", False: "fails"}.get(f["holds"], "not measured"))
+        status = f["status"]
         text = f.get("why", status) if status == "inconclusive" else status
         parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f.get('paper', ''))}</td>"
                      f"<td>{html.escape(f['measured'])}</td><td>{html.escape(f.get('rule', ''))}</td>"
