@@ -117,8 +117,9 @@ def test_no_parameter_name_matching_outside_the_compressors():
             continue
         source = path.read_text()
         # phasekv/indexer.py sets transformers' own indexers' `index_topk` (their attribute, found by class, for the
-        # dense warm-up): not a phasekv compressor option
-        topk = () if _module_name(path) == "phasekv.indexer" else ("index_topk",)
+        # dense warm-up) and phasekv/export_gguf.py reads it into llama.cpp's hyper-parameters: not a phasekv
+        # compressor option
+        topk = () if _module_name(path) in ("phasekv.indexer", "phasekv.export_gguf") else ("index_topk",)
         for pattern in ('".compressor."', "'_gate'", '"_gate"', '"_gate_bias"', 'getattr(self.compressor', *topk):
             assert pattern not in source, f"{path} contains {pattern}"
 

@@ -1,7 +1,9 @@
-"""`phasekv export lm-eval`: the phase-sensitivity prompts as an lm-evaluation-harness task.
+"""`phasekv export lm-eval`: the phase-sensitivity prompts as an lm-evaluation-harness task;
+`phasekv export gguf`: a DeepSeek-V4 checkpoint as a GGUF file llama.cpp serves (`phasekv.export_gguf`).
 
     phasekv export lm-eval --tokenizer PATH --format records --protocol prefix --out DIR
     lm_eval --model hf --model_args pretrained=PATH --include_path DIR --tasks phasekv_records_prefix
+    phasekv export gguf --checkpoint checkpoints/dsv4-csa --out dsv4.gguf [--dtype f16] [--hf-out DIR]
 
 The prompt-set flags are those of `phasekv eval --hf` (same defaults), so the task's documents are the
 prompts `phasekv eval --hf PATH` evaluates with the same flags.
@@ -28,6 +30,32 @@ def add_parser(sub) -> None:
     lm.add_argument("--out", required=True, help="output directory (the task's --include_path)")
     lm.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     lm.set_defaults(func=run)
+    gg = targets.add_parser("gguf", help="a DeepSeek-V4 checkpoint as a GGUF file for llama.cpp (docs/gguf.md)")
+    gg.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory (transformers "
+                                                        "DeepseekV4ForCausalLM)")
+    gg.add_argument("--out", required=True, help="the .gguf file to write")
+    gg.add_argument("--dtype", default="f32", help="f32 (default) or f16 (matrices only; no quantization)")
+    gg.add_argument("--hf-out", metavar="DIR", help="also write the exported weights as a transformers directory "
+                                                    "with the vocabulary's tokenizer (eval --endpoint's --tokenizer "
+                                                    "and --reference-hf)")
+    gg.add_argument("--force", action="store_true", help="replace an existing --out (and phasekv's --hf-out)")
+    gg.set_defaults(func=run_gguf)
+
+
+def run_gguf(args) -> dict[str, Any]:
+    from phasekv.cli import check_inputs_untouched
+    from phasekv.export_gguf import export_gguf
+
+    if args.hf_out is not None:  # main() checks --out; --hf-out is a second output directory
+        try:
+            check_inputs_untouched(argparse.Namespace(out=args.hf_out, checkpoint=args.checkpoint))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--out", "--hf-out", 1)) from None
+    summary = export_gguf(args.checkpoint, args.out, args.dtype, args.hf_out, args.force)
+    print(f"wrote {summary['file']} ({summary['tensors']} tensors, {summary['dtype']}, "
+          f"{summary['bytes'] / 1e6:.1f} MB; hc_mult {summary['hc_mult'][0]} -> {summary['hc_mult'][1]}, "
+          f"index_head_dim {summary['index_head_dim'][0]} -> {summary['index_head_dim'][1]})")
+    return summary
 
 
 def run(args) -> dict[str, Any]:
