@@ -298,6 +298,49 @@ def test_engine_vs_reference_agreement_is_reported_per_phase():
     assert engine.posts == n
 
 
+class QueryPhaseReference(Adapter):
+    """Agrees with FakeEngine except on prompts whose query position (the last prompt token) is = 1 mod 4."""
+
+    module, device = None, torch.device("cpu")
+
+    def __init__(self, vocab_size):
+        self.info = ModelInfo("reference", vocab_size, 1, 1, 1, 1, 1 << 20, None, None)
+
+    def logits(self, ids):
+        out = torch.full((ids.shape[0], 1, self.info.vocab_size), -5.0)
+        for row, prompt in enumerate(ids.tolist()):
+            out[row, 0, FakeEngine.next_token(prompt) + ((len(prompt) - 1) % 4 == 1)] = 5.0
+        return out
+
+    def prefill(self, ids):
+        return ids
+
+    def continue_from(self, cache, ids, repeats):
+        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], 1))
+
+
+def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):
+    from phasekv.report.audit import run_audit
+    from tests.helpers import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer()
+    engine = FakeEngine(vocab=len(tokenizer))
+    adapter = EndpointAdapter("http://engine.test", "llamacpp", len(tokenizer), transport=httpx.MockTransport(engine))
+    summary = run_audit(adapter, tokenizer, tmp_path / "a", conditions=("none",), stride=4, window=4, n_records=16,
+                        n_demos=2, prompts_per_phase=4, progress=False, protocols=("prefix", "query"),
+                        reference=QueryPhaseReference(len(tokenizer)))
+    query, prefix = summary["comparison"]["query"], summary["comparison"]["prefix"]
+    assert [g["agreement"] for g in query["per_query_phase"]] == [1.0, 0.0, 1.0, 1.0]
+    assert query["per_query_phase"][1]["ci_high"] < 0.5 < query["per_query_phase"][0]["ci_low"]
+    assert query["overall"]["agreement"] == 0.75 and len(query["per_phase"]) == 4
+    assert len(prefix["per_query_phase"]) == 1  # the padding protocols fix the query position
+    assert engine.posts == query["overall"]["n"] + prefix["overall"]["n"]  # the comparison asked nothing again
+    assert json.loads((tmp_path / "a" / "comparison.json").read_text()) == summary["comparison"]
+    assert "Engine vs reference" in (tmp_path / "a" / "report.html").read_text()
+    with pytest.raises(ValueError, match="needs --endpoint"):
+        run_audit(QueryPhaseReference(len(tokenizer)), tokenizer, tmp_path / "b", reference=adapter)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--endpoint", "http://127.0.0.1:9"], "needs --tokenizer"),
     (["--endpoint", "http://127.0.0.1:9", "--tokenizer", "x", "--compress", "none", "mean"],
@@ -460,3 +503,34 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
     for summary in (uninterrupted, resumed):
         summary.pop("elapsed_s")
     assert resumed == uninterrupted
+
+
+@needs_engine
+@pytest.mark.slow
+def test_audit_reference_hf_compares_the_served_model_per_source_and_query_phase(server, tmp_path):
+    from phasekv.cli import main
+    from phasekv.evaluate.hf import load_hf
+    from phasekv.report.audit import run_audit
+
+    out = tmp_path / "served"
+    start = time.perf_counter()
+    assert main(["audit", "--endpoint", server, "--concurrency", "2", *AUDIT, "--protocol", "query",
+                 "--reference-hf", str(SMOL), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    comparison = summary["comparison"]["query"]
+    print(f"\naudit --protocol query --reference-hf: {time.perf_counter() - start:.1f} s; {comparison['overall']}")
+    assert comparison == json.loads((out / "comparison.json").read_text())["query"]
+    assert comparison["overall"]["n"] == N_PROMPTS // 2 and comparison["overall"]["agreement"] >= 0.85
+    assert [g["query_phase"] for g in comparison["per_query_phase"]] == [0, 1, 2, 3]
+    assert [g["phase"] for g in comparison["per_phase"]] == [0, 1, 2, 3]
+    assert comparison["overall"]["mean_abs_dlogp"] < 0.5
+    served = summary["conditions"]["none"]["query"]
+    assert served["mean_accuracy"] == pytest.approx(comparison["overall"]["engine_accuracy"])
+    adapter, tokenizer = load_hf(str(SMOL), gguf_file=SMOL_FILE)
+    in_process = run_audit(adapter, tokenizer, tmp_path / "hf", "records", ("none",), progress=False,
+                           protocols=("query",), **SETTINGS)["conditions"]["none"]["query"]
+    assert in_process["mean_accuracy"] == pytest.approx(comparison["overall"]["reference_accuracy"])
+    for metrics in (served, in_process):
+        print(f"{metrics['query_phase']['verdict']}")
+    heads = [m["query_phase"]["verdict"].split(":")[0] for m in (served, in_process)]
+    assert heads[0] == heads[1] and served["can_do_task"] == in_process["can_do_task"]

@@ -30,7 +30,7 @@ import phasekv.evaluate.runner as runner_mod
 import phasekv.outputs as outputs_mod
 from phasekv import families
 from phasekv.cli import main
-from phasekv.config import Experiment
+from phasekv.config import MAX_CONFIG_BYTES, Experiment
 from phasekv.train import train
 from tests.test_evaluate import VOCAB, _tiny_hf
 from tests.test_train import TINY
@@ -63,7 +63,10 @@ def snapshot(root: Path) -> dict[str, str]:
     out = {}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        out[rel] = "dir" if path.is_dir() else hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        if path.is_dir():
+            out[rel] = "dir"
+        else:  # a FIFO or a symlink loop is named, never read (reading a FIFO blocks)
+            out[rel] = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest() if path.is_file() else "other"
     return out
 
 
@@ -191,6 +194,43 @@ def file_at(name: str, content: bytes = b"x") -> Callable[[Path, Path], None]:
     return setup
 
 
+def format_file(text: str | bytes) -> Callable[[Path, Path], None]:
+    """A --format YAML file at c/f.yaml."""
+    return file_at("f.yaml", text if isinstance(text, bytes) else text.encode())
+
+
+def vit_config(hf: Path) -> None:
+    """A vision model's config.json (ViT) beside a working tokenizer."""
+    import transformers
+
+    (hf / "config.json").unlink()
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64).save_pretrained(hf)
+
+
+def bigger_tokenizer(hf: Path) -> None:
+    """The tokenizer gains 300 words: its ids run past the model's embedding."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    tokenizer.add_tokens([f"extra{i}" for i in range(300)])
+    tokenizer.save_pretrained(hf)
+
+
+def int32_weights(state: dict[str, torch.Tensor]) -> None:
+    for name, tensor in state.items():
+        state[name] = tensor.round().to(torch.int32)
+
+
+def fifo(name: str) -> Callable[[Path, Path], None]:
+    """A named pipe at c/name: what `<(...)` (process substitution) hands a command."""
+    return lambda ws, c: os.mkfifo(c / name)
+
+
+def symlink_loop(ws: Path, c: Path) -> None:
+    os.symlink("loop", c / "loop")
+
+
 def deep_json(n: int) -> str:
     return '{"model": ' + '{"a": ' * n + "1" + "}" * n + "}"
 
@@ -206,8 +246,9 @@ ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
 
 @dataclass
 class Case:
-    """argv uses {ws} (the shared workspace), {c} (this case's own directory) and {cuda} (a GPU device
-    this machine lacks); `setup(ws, c)` prepares corrupted inputs; `match` must appear in the error."""
+    """argv uses {ws} (the shared workspace), {c} (this case's own directory), {cuda} (a GPU device
+    this machine lacks) and {empty} (an empty argument); `setup(ws, c)` prepares corrupted inputs; `match` must
+    appear in the error."""
 
     id: str
     argv: str
@@ -220,6 +261,8 @@ TRAIN = "train {ws}/tiny.yaml --out {c}/out --no-progress"
 EVAL = "eval --checkpoint {ws}/run --out {c}/out --no-progress"
 EVAL_CK = "eval --checkpoint {c}/ck --out {c}/out --no-progress"
 EVAL_HF = "eval --hf {c}/hf --out {c}/out --no-progress --records 32 --clusters 2"
+EVAL_HF_FMT = "eval --hf {ws}/hf --out {c}/out --no-progress --format {c}/f.yaml"
+AUDIT_HF = "audit --hf {ws}/hf --out {c}/out --no-progress"
 
 CASES = [
     # train: overrides and config files
@@ -417,12 +460,55 @@ CASES = [
     Case("train-out-holds-config", "train {ws}/tiny.yaml --out {ws} --resume", "holds the input config"),
     Case("force-over-a-users-directory", "eval --checkpoint {ws}/run --out {c}/mine --force", "is not a phasekv output",
          setup=lambda ws, c: ((c / "mine").mkdir(), (c / "mine" / "notes.txt").write_text("mine"))),
+    # round 3: bounded work, refused before anything is allocated (the budget is stated)
+    Case("train-batch-a-million", TRAIN + " --set train.batch_size=1000000", "needs at least"),
+    Case("eval-prompt-set-huge", EVAL + " --clusters 65536 --residue-modulus 4096 --stride 4",
+         "prompts or more: needs at least"),
+    Case("eval-hf-prompt-set-huge", EVAL_HF + " --targets-per-context 65536 --residue-modulus 4096",
+         "prompts or more: needs at least", hf_copy(lambda hf: None)),
+    Case("audit-prompts-per-phase-huge", AUDIT_HF + " --prompts-per-phase 1000000000", "prompts or more"),
+    Case("export-prompt-set-huge", "export lm-eval --tokenizer {ws}/hf --out {c}/out --clusters 65536 "
+         "--residue-modulus 4096 --stride 4", "prompts or more"),
+    # round 3: prompt-format files, one line naming the file (audit: before the model loads)
+    Case("format-empty", EVAL_HF_FMT, "f.yaml: is empty", format_file("")),
+    Case("format-extra-placeholder", EVAL_HF_FMT, "has the placeholder {other}",
+         format_file("key_text: '{key} {other}:'\n")),
+    Case("format-positional-placeholder", EVAL_HF_FMT, "has the placeholder {}",
+         format_file("value_text: ' {value} {}'\n")),
+    Case("format-unmatched-brace", EVAL_HF_FMT, "is not a valid template", format_file("key_text: '{key:'\n")),
+    Case("format-no-key", EVAL_HF_FMT, "lacks {key}", format_file("key_text: 'key:'\n")),
+    Case("format-binary", EVAL_HF_FMT, "f.yaml: not a text file", format_file(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")),
+    Case("format-too-big", EVAL_HF_FMT, "a format file may hold at most",
+         format_file("#\n" * (MAX_CONFIG_BYTES // 2 + 1))),
+    Case("format-is-fifo", "eval --hf {ws}/hf --out {c}/out --no-progress --format {c}/f.yaml",
+         "(not a regular file)", fifo("f.yaml")),
+    Case("audit-format-empty", AUDIT_HF + " --format {c}/f.yaml", "f.yaml: is empty", format_file("")),
+    Case("audit-records-below-demos", AUDIT_HF + " --records 4 --demos 4", "cannot hold a target"),
+    Case("audit-local-window-zero", AUDIT_HF + " --local-window 0", "--local-window: must be >= 1"),
+    Case("audit-device-tpu9", AUDIT_HF + " --device tpu9", "unknown device 'tpu9'"),
+    # round 3: models that are not what they claim
+    Case("hf-vision-model", EVAL_HF, "not a causal language model", hf_copy(vit_config)),
+    Case("hf-tokenizer-past-embedding", EVAL_HF, "have no embedding", hf_copy(bigger_tokenizer)),
+    Case("ck-weights-int32", EVAL_CK, "is stored as torch.int32", edit_weights(int32_weights)),
+    # round 3: flags that would be ignored, paths that are not what they seem
+    Case("eval-checkpoint-format", EVAL + " --format records", "--format: applies to --hf models only"),
+    Case("eval-checkpoint-gguf-file", EVAL + " --gguf-file m.gguf", "--gguf-file: applies to --hf models only"),
+    Case("eval-checkpoint-dtype", EVAL + " --dtype bfloat16", "--dtype: applies to --hf models only"),
+    Case("eval-checkpoint-section-format", EVAL_CK, "eval.format (the checkpoint's config.json): applies to --hf",
+         edit_config(lambda t: t["eval"].update(format="records"))),
+    Case("eval-out-empty", "eval --checkpoint {ws}/run --no-progress --out {empty}", "--out: is empty"),
+    Case("train-config-process-substitution", "train {c}/fifo.yaml --out {c}/out", "process substitution",
+         fifo("fifo.yaml")),
+    Case("eval-out-under-symlink-loop", "eval --checkpoint {ws}/run --out {c}/loop/out --no-progress",
+         "loop is a symbolic link loop", symlink_loop),
+    Case("eval-out-is-symlink-loop", "eval --checkpoint {ws}/run --out {c}/loop --no-progress",
+         "loop is a symbolic link loop", symlink_loop),
 ]
 
 
 def argv_of(case: Case, ws: Path, c: Path) -> list[str]:
     cuda = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
-    return [part.format(ws=ws, c=c, cuda=cuda) for part in case.argv.split()]
+    return [part.format(ws=ws, c=c, cuda=cuda, empty="") for part in case.argv.split()]
 
 
 def out_of(argv: list[str]) -> Path | None:
@@ -480,6 +566,31 @@ def test_eval_checks_out_before_computing(ws: Path, capsys, monkeypatch):
     for out in (ws / "done", ws / "cases" / "blocker", ws / "cases" / "blocker" / "sub"):
         code = main(["eval", "--checkpoint", str(ws / "run"), "--out", str(out), "--no-progress"])
         check_one_line(code, capsys.readouterr().err, "")
+
+
+# the cases whose flags must be refused before any model or tokenizer is opened
+EARLY = [c for c in CASES if c.id.startswith(("audit-", "format-", "eval-checkpoint-", "eval-prompt-set",
+                                              "eval-hf-prompt-set", "train-batch-a-million"))]
+
+
+@pytest.mark.parametrize("case", EARLY, ids=[c.id for c in EARLY])
+def test_flags_are_checked_before_anything_loads(case: Case, ws: Path, capsys, monkeypatch):
+    """Each of these is refused with its own line although loading a model (or training) would fail the test: the
+    flags, the format file and the work's size are checked first (a GGUF model takes most of a minute to load)."""
+    import phasekv.evaluate.hf as hf_mod
+    import phasekv.train as train_mod
+
+    def never(*args, **kwargs):
+        raise AssertionError(f"{case.id}: a model was loaded before the flags were checked")
+
+    for module, name in ((hf_mod, "load_hf"), (runner_mod, "open_source"), (train_mod, "train")):
+        monkeypatch.setattr(module, name, never)
+    c = ws / "cases" / f"early-{case.id}"
+    c.mkdir()
+    if case.setup:
+        case.setup(ws, c)
+    code = main(argv_of(case, ws, c))
+    assert case.match in check_one_line(code, capsys.readouterr().err, "")
 
 
 def test_eval_out_in_read_only_dir(ws: Path, capsys, monkeypatch):

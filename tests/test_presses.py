@@ -312,7 +312,7 @@ def test_logits_after_a_press_are_attention_over_exactly_the_kept_positions(case
     queries = _ids(case.ids.shape[0], Q, seed=2)
     got = press.continue_from(cache, queries, 1)
     with _sdpa_replaced(_masked_attention(_masks(cache[0], case.full))):
-        want = case.hf.continue_from((case.full, T), queries, 1)
+        want = case.hf.continue_by_copies((case.full, T), queries, 1)  # one query per row, as the mask is written
     full = case.hf.continue_from((case.full, T), queries, 1)
     assert (got - full).abs().max() > 1e-4  # the press changed the logits
     assert torch.allclose(got, want, atol=2e-5), (got - want).abs().max()
@@ -331,7 +331,7 @@ def test_a_cache_whose_layers_kept_different_lengths_is_continued_token_by_token
     got = press.continue_from((caches, 45), queries, 2)
     with _sdpa_replaced(_masked_attention({layer: m.repeat_interleave(2, 0) for layer, m in
                                            _masks(caches, case.full).items()})):
-        want = case.hf.continue_from((case.full, 45), queries, 2)
+        want = case.hf.continue_by_copies((case.full, 45), queries, 2)
     assert torch.allclose(got, want, atol=2e-5)
     # and on a cache whose layers agree, token by token equals the one-mask continuation
     knorm = PressAdapter(case.hf, "knorm", stride=8)

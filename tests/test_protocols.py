@@ -1,6 +1,6 @@
-"""Evaluation prompt sets of the two padding protocols (phasekv.data.protocols)."""
+"""Evaluation prompt sets of the two padding protocols and the query-phase protocol (phasekv.data.protocols)."""
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -68,6 +68,7 @@ def test_fixed_query_position_and_answers(eval_set, vocab):
     assert {len(c.ids) for c in eval_set.contexts} == {length - 1}
     prompts = eval_set.prompts()
     assert len(prompts) == 576 * R and {len(p.ids) for p in prompts} == {length}
+    assert {q.query_position for q in eval_set.queries()} == {eval_set.query_position}
     for p in prompts[:: 97]:
         q = p.query
         assert p.ids[-1] == q.key[0] == p.ids[q.target_position]
@@ -172,3 +173,72 @@ def test_describe_is_readable(eval_set, vocab):
     assert body.endswith(f"{vocab.decode(q.key)} -> {vocab.decode([q.answer])}")
     assert f"[{vocab.decode(q.key)} {vocab.decode([q.answer])}]" in body
     assert body.startswith("<bos>") and "<pad>" not in body
+
+
+# ---------------------------------------------------------------------------------------------- the query protocol
+
+
+@pytest.fixture(scope="module")
+def query_set(vocab):
+    return build_eval_set(vocab, "query", n_records=32, n_demos=8, stride=8)
+
+
+def test_query_protocol_holds_every_target_fixed_and_moves_the_query(query_set):
+    positions, shifts = defaultdict(set), defaultdict(list)
+    top = query_set.query_position  # the longest prompt's
+    for c in query_set.contexts:
+        for q in c.queries:
+            positions[(q.cluster, q.record)].add(q.target_position)
+            shifts[(q.cluster, q.record)].append(q.shift)
+            assert q.query_position == len(c.ids) + len(q.key) - 1 == top - (R - 1) + q.shift
+            assert q.residue == q.target_position % R and q.phase == q.target_position % 8
+            assert q.target_position + 1 <= q.query_position - query_set.local_window  # outside at every shift
+    assert len(positions) == 576 and all(len(p) == 1 for p in positions.values())  # fixed target, every shift
+    assert all(sorted(s) == list(range(R)) for s in shifts.values())
+    by_residue = Counter(q.query_position % R for q in query_set.queries())
+    assert by_residue == dict.fromkeys(range(R), 576)  # every query residue equally often
+    assert Counter(q.query_position % 8 for q in query_set.queries()) == dict.fromkeys(range(8), 576 * 3)
+    assert Counter(q.target_position % R for q in query_set.queries()) == dict.fromkeys(range(R), 576)
+    assert query_set.prompt_length == build_eval_set(query_set.vocab, "prefix", n_records=32, stride=8).prompt_length
+
+
+def test_query_shifts_insert_one_filler_between_the_records_and_the_demonstrations(query_set, vocab):
+    fillers = set(vocab.group("fillers"))
+    by_cluster = defaultdict(dict)
+    for c in query_set.contexts:
+        by_cluster[c.cluster][c.shift] = c
+    assert len(by_cluster) == 48
+    for cluster in (0, 1, 47):  # both families
+        shown = by_cluster[cluster]
+        for s in range(R - 1):
+            a, b = shown[s].ids, shown[s + 1].ids
+            at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            assert len(b) == len(a) + 1 and b[:at] + b[at + 1:] == a and b[at] in fillers
+            assert at > shown[s].record_positions[-1] + 1  # after the last record
+            assert all(t not in fillers for t in a[at:])  # right before the demonstrations
+            assert shown[s].record_positions == shown[s + 1].record_positions
+            assert shown[s].demo_records == shown[s + 1].demo_records
+
+
+def test_query_groups_hold_the_same_targets_and_source_groups_equal_means(query_set):
+    by_query = query_set.matching_stats(coordinate="query")
+    assert by_query["max_mean_gap"] == 0.0 and by_query["max_variance_rel_gap"] == 0.0  # identical targets
+    low = query_set.query_position - (R - 1)
+    assert [g["mean_query_position"] for g in by_query["per_group"]] == [
+        float(low + (r - low) % R) for r in range(R)]  # group r: the one shift whose query position is = r
+    for S in (4, 8, 24):
+        assert query_set.matching_stats(S)["max_mean_gap"] == 0.0  # source groups: equal class sums
+    assert query_set.settings["exact_matching"] and query_set.settings["insequence_gap"] == 0
+    with pytest.raises(ValueError, match="coordinate"):
+        query_set.matching_stats(coordinate="answer")
+
+
+def test_query_protocol_with_needle_pitch_and_few_clusters(vocab):
+    s = build_eval_set(vocab, "query", n_records=32, n_demos=4, stride=4, residue_modulus=4, n_clusters=4,
+                       key_tokens=2, value_tokens=2)
+    queries = s.queries()
+    assert Counter(q.query_position % 4 for q in queries) == dict.fromkeys(range(4), len(queries) // 4)
+    prompts = s.prompts()
+    assert all(p.ids[p.query.target_position:p.query.target_position + 2] == list(p.query.key) == p.ids[-2:]
+               and p.ids[p.query.target_position + 2] == p.query.answer for p in prompts)
+    assert "query at position" in s.describe(0) and f"position {queries[0].query_position}" in s.describe(0)

@@ -349,3 +349,151 @@ def test_resume_without_its_latest_pointer_continues_from_the_newest_checkpoint(
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     reference, resumed = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "ref", run))
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+# ---------------------------------------------------------------- bounded work and quiet libraries
+
+
+def held_bytes_per_sequence(exp: Experiment) -> float:
+    """Bytes one training sequence holds when its loss is computed, measured: the storages autograd saved in a
+    forward of `token_losses` plus its float32 logits, at batch 2 and at batch 6 (the difference drops the weights,
+    saved at any batch)."""
+    from phasekv import families
+    from phasekv.train import token_losses
+
+    torch.manual_seed(0)
+    model = families.build(exp.model)
+    saved = []
+    for batch in (2, 6):
+        storages: dict[int, int] = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, exp.model.vocab_size, (batch, exp.data.seq_len))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            token_losses(model, ids, ids)
+        saved.append(sum(storages.values()) + ids.numel() * exp.model.vocab_size * 4)
+    return (saved[1] - saved[0]) / 4
+
+
+@pytest.mark.parametrize("model", [
+    TINY["model"],
+    {**TINY["model"], "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+     "num_key_value_heads": 2},
+    {**TINY["model"], "compressor": "deepseek_csa", "csa_block": 4, "window": None, "stride": None},
+    {**TINY["model"], "vocab_size": 8192},
+    {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256},
+], ids=["tiny-gated", "wider-gated", "deepseek-csa", "large-vocab", "qwen3"])
+def test_activation_estimate_is_a_lower_bound_of_what_autograd_keeps(model):
+    """`phasekv train` refuses a config whose estimate exceeds the memory: the estimate must never exceed what a
+    step really holds, and stay within a small factor of it (so the check means something)."""
+    from phasekv.cli.train import activation_bytes
+
+    tree = {**TINY, "model": {k: v for k, v in model.items() if v is not None},
+            "train": {**TINY["train"], "batch_size": 1}}
+    exp = Experiment.from_tree(tree)
+    micro, estimate = activation_bytes(exp)
+    measured = held_bytes_per_sequence(exp)
+    print(f"\nheld {measured:.0f} bytes per sequence, estimate {estimate}: ratio {measured / estimate:.2f}")
+    assert micro == 1 and estimate <= measured <= 8 * estimate, (estimate, measured)
+    big = Experiment.from_tree({**tree, "train": {**tree["train"], "batch_size": 1 << 20, "grad_accum": 4}})
+    assert activation_bytes(big) == (1 << 18, (1 << 18) * estimate)  # linear in the micro-batch
+
+
+def test_prompt_bytes_is_a_lower_bound_of_what_an_evaluation_holds():
+    """The prompt-set check charges PROMPT_BYTES per prompt; tracemalloc measures what the eval set and the
+    prediction records really hold per prompt."""
+    import gc
+    import tracemalloc
+
+    from phasekv.cli.evaluate import PROMPT_BYTES
+    from phasekv.data.protocols import build_eval_set
+    from phasekv.evaluate.adapter import PhaseKVAdapter
+    from phasekv.evaluate.runner import predict
+    from phasekv.model import build_model
+    from tests.helpers import tiny
+    from tests.test_evaluate import VOCAB
+
+    torch.manual_seed(0)
+    adapter = PhaseKVAdapter(build_model(tiny(vocab_size=256, max_position_embeddings=1024)))
+    for protocol, records in (("prefix", 32), ("insequence", 64)):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            eval_set = build_eval_set(VOCAB, protocol, n_records=records, n_demos=2, stride=8, residue_modulus=8)
+            kept = predict(adapter, eval_set, 64, progress=False)
+            per_prompt = tracemalloc.get_traced_memory()[0] / len(kept)
+        finally:
+            tracemalloc.stop()
+        assert PROMPT_BYTES <= per_prompt <= 4 * PROMPT_BYTES, (protocol, per_prompt)
+
+
+def test_prompts_at_least_never_exceeds_the_prompts_built():
+    from phasekv.cli.evaluate import prompts_at_least
+    from phasekv.config import EvalConfig
+    from phasekv.data.protocols import build_eval_set
+    from tests.test_evaluate import VOCAB
+
+    tight = 0
+    for protocol in ("prefix", "insequence"):
+        for r, stride, clusters, targets in [(8, 8, None, None), (8, 4, 2, None), (8, 8, 4, 8), (16, 4, None, None),
+                                             (12, 4, 6, None), (8, 8, None, 16), (24, 8, 3, None), (4, 4, 12, None)]:
+            try:
+                built = len(build_eval_set(VOCAB, protocol, n_records=48, n_demos=2, stride=stride, residue_modulus=r,
+                                           n_clusters=clusters, targets_per_context=targets).queries())
+            except ValueError:  # a combination the builder refuses (clusters not a multiple of g, ...)
+                continue
+            bound = prompts_at_least(EvalConfig(residue_modulus=r, stride=stride, clusters=clusters,
+                                                targets_per_context=targets))
+            assert bound <= built, (protocol, r, clusters, targets, bound, built)
+            tight += bound == built
+    assert tight >= 3  # the bound is exact where the settings fix the count
+
+
+def test_a_compression_that_compresses_nothing_is_refused():
+    """`max-norm+keep-first:100000` (a sink longer than every prompt) or prompts too short for one window would
+    evaluate the full cache under a compressed condition's name: refused when the prompt length is checked, before
+    any forward."""
+    from phasekv.evaluate.adapter import HFAdapter
+    from phasekv.evaluate.posthoc import PosthocAdapter
+    from tests.helpers import tiny_causal_lm
+
+    base = HFAdapter(tiny_causal_lm("qwen3", 64, 512, "sdpa"), "tiny")
+    with pytest.raises(ValueError, match="would not be compressed at all .keep-first:100000 keeps every window raw"):
+        PosthocAdapter(base, "max-norm+keep-first:100000", window=8, stride=8).check_length(120)
+    with pytest.raises(ValueError, match="no window of 8 tokens ends before the last 16"):
+        PosthocAdapter(base, "mean", window=8, stride=8).check_length(20)
+    PosthocAdapter(base, "mean+keep-first:1", window=8, stride=8).check_length(120)
+    PosthocAdapter(base, "select:3+keep-first:100", window=8, stride=8).check_length(120)  # windows 96..104 remain
+
+
+def test_no_progress_silences_the_libraries_progress_bars(tmp_path, capsys):
+    """transformers' "Loading weights" bar (and, by the same switch, its GGUF de-quantizing bar) is off with
+    --no-progress and on without it."""
+    import io
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from phasekv.cli import library_bars_off
+    from tests.test_evaluate import VOCAB, _tiny_hf
+
+    def gguf_bar() -> str:
+        buffer = io.StringIO()
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...", file=buffer):
+            pass
+        return buffer.getvalue()
+
+    with library_bars_off(True):
+        assert gguf_bar() == ""
+    assert "de-quantizing" in gguf_bar()  # restored after the block
+    hf = _tiny_hf(tmp_path, VOCAB.words)
+    stderr = {}
+    for quiet in (True, False):
+        capsys.readouterr()
+        assert main(["eval", "--hf", str(hf), "--records", "32", "--clusters", "2", "--residue-modulus", "8", "--out",
+                     str(tmp_path / f"out-{quiet}"), *(["--no-progress"] if quiet else [])]) == 0
+        stderr[quiet] = capsys.readouterr().err
+    assert stderr[True] == "" and "Loading weights" in stderr[False]

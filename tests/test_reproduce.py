@@ -67,3 +67,48 @@ def test_reproduce_end_to_end(tmp_path, capsys):
     names = sorted(p.name for p in (out / "figures").iterdir())
     assert names == sorted(p.name for p in (redrawn / "figures").iterdir())
     assert {"knockout_w4s4.png", "cycling_w4s4.png", "knockout_full-1kv.png"} <= set(names)
+
+
+def test_reproduce_workers_die_with_a_killed_parent(tmp_path):
+    """A SIGKILLed `reproduce` leaves no orphaned analysis workers (their initializer asks the kernel for SIGTERM
+    on the parent's death); without the initializer the worker outlives the parent (the control)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import concurrent.futures, multiprocessing, os, signal, sys, time\n"
+        "from phasekv.report.reproduce import _die_with_parent\n"
+        "def work(path):\n"
+        "    open(path, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "if __name__ == '__main__':\n"
+        "    init = _die_with_parent if sys.argv[2] == 'init' else None\n"
+        "    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),"
+        " initializer=init)\n"
+        "    pool.submit(work, sys.argv[1])\n"
+        "    while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+        "    time.sleep(0.2)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    survived = {}
+    for mode in ("init", "none"):
+        pid_file = tmp_path / f"worker-{mode}.pid"
+        subprocess.run([sys.executable, str(script), str(pid_file), mode], timeout=120)
+        pid = int(pid_file.read_text())
+        deadline = time.time() + 10
+        while alive(pid) and time.time() < deadline:
+            time.sleep(0.1)
+        survived[mode] = alive(pid)
+        if survived[mode]:
+            os.kill(pid, 9)
+    assert survived == {"init": False, "none": True}

@@ -106,8 +106,9 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str | Path) -> None:
-    """Load `state` into `model` strictly: the same names (tied weights stored once) and shapes, and
-    finite values only (a NaN weight would make every later number meaningless)."""
+    """Load `state` into `model` strictly: the same names (tied weights stored once), shapes and kind of dtype
+    (floating point where the model has it), and finite values only (a NaN weight would make every later number
+    meaningless)."""
     expected = _state_dict_for_saving(model, None)
     if set(state) != set(expected):
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -117,6 +118,9 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: 
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"checkpoint {where}: weight {name} has shape {tuple(tensor.shape)}, the config "
                              f"needs {tuple(expected[name].shape)}")
+        if tensor.is_floating_point() != expected[name].is_floating_point():  # e.g. int32 weights: not a model
+            raise ValueError(f"checkpoint {where}: weight {name} is stored as {tensor.dtype}, the model needs "
+                             f"{expected[name].dtype}; the file does not hold this model's weights")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"checkpoint {where}: weight {name} holds non-finite values (NaN or inf); the "
                              "checkpoint is corrupted or its training diverged")

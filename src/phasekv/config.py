@@ -35,7 +35,8 @@ import yaml
 
 LAYER_KINDS_BUILTIN = ("full", "sliding")
 ROPE_PARTS = ("first", "last")
-PROTOCOLS = ("prefix", "insequence")
+PROTOCOLS = ("prefix", "insequence")  # the padding protocols: the query position is fixed, the target moves
+EVAL_PROTOCOLS = (*PROTOCOLS, "query")  # and the query-phase protocol: the target is fixed, the prompt length moves
 MAX_NESTING = 32  # deepest mapping/list accepted in a config file
 
 
@@ -543,7 +544,7 @@ class EvalConfig:
     None means "the model's own value": a checkpoint's training data for records, key/value tokens
     and local window; the model's compression stride (8 without compression)."""
 
-    protocol: str = spec("prefix", choices=PROTOCOLS)
+    protocol: str = spec("prefix", choices=EVAL_PROTOCOLS)
     stride: int | None = spec(None, low=1, high=4096)
     residue_modulus: int = spec(24, low=1, high=4096)
     records: int | None = spec(None, low=1, high=1 << 16)

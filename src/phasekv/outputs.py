@@ -130,9 +130,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _symlink_loop(path: Path) -> Path | None:
+    """The first of `path`'s ancestors (or `path` itself) whose resolution fails with ELOOP, or None."""
+    path = path.absolute()
+    for candidate in (*reversed(path.parents), path):
+        try:
+            os.stat(candidate)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return candidate
+    return None
+
+
 def check_output_dir(out: Path, force: bool) -> None:
-    """Refuse an --out that is a file, a symlink, or (without `force`) a non-empty directory; an --out
-    left as `NAME.old` by a crash inside `publish` is first brought back."""
+    """Refuse an --out that is a file, a symlink (or lies under a symlink loop), or (without `force`) a non-empty
+    directory; an --out left under its swap name by a crash inside `publish` is first brought back."""
+    loop = _symlink_loop(out)
+    if loop is not None:
+        raise ValueError(f"--out {out}: {loop} is a symbolic link loop (it resolves to itself); remove it or choose "
+                         "another directory")
     recover(out)
     if out.is_symlink():
         raise ValueError(f"--out {out}: is a symbolic link; give a real directory path")

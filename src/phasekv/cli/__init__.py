@@ -7,18 +7,23 @@ argparse parser.  Bad user input becomes one line on stderr and exit status 2 (1
 traceback (`-v` shows it); a failure of phasekv itself (RuntimeError, MemoryError, a TypeError ...) is one line
 that says "internal error" and asks for a rerun with -v, exit status 1, so a bug never looks like the user's fault;
 under torchrun only rank 0 prints it.  An --out that is, holds or lies inside an input is refused before anything
-runs.
+runs, as is an empty --out.  Work is bounded: `check_budget` refuses, in one line that states the budget, settings
+whose memory (estimated from the settings alone) would not fit.  --no-progress also silences the progress bars of
+the libraries under phasekv (transformers' weight loading and GGUF de-quantizing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import logging
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 # seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
@@ -58,11 +63,32 @@ POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
 FILE_INPUTS = ("config", "format")  # inputs that are files (a directory there is refused by the command itself)
 
 
+def check_budget(need: int, what: str, device: str = "cpu", advice: str = "") -> None:
+    """Refuse, before it is allocated, work that needs at least `need` bytes when that is more than the memory free
+    now on `device`: MemAvailable for the CPU (`phasekv.families.available_memory`), the free memory of a GPU.
+    One line naming `what`, the need, the budget and `advice`."""
+    from phasekv.distributed import resolve_device
+    from phasekv.families import GIB, available_memory
+
+    target = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+    if target.type == "cuda":
+        import torch
+
+        have, budget = torch.cuda.mem_get_info(target)[0], f"free on {target}"
+    else:
+        have, budget = available_memory(), "of memory available now (MemAvailable)"
+    if need > have:
+        raise ValueError(f"{what}: needs at least {need / GIB:.1f} GiB, more than the {have / GIB:.1f} GiB {budget}"
+                         f"{'; ' + advice if advice else ''}")
+
+
 def check_inputs_untouched(args: argparse.Namespace) -> None:
-    """Refuse an --out that is, holds or lies inside one of the command's inputs: publishing --out replaces
-    the directory, so with --force it would delete what the command was given."""
+    """Refuse an empty --out, and an --out that is, holds or lies inside one of the command's inputs: publishing
+    --out replaces the directory, so with --force it would delete what the command was given."""
     out = getattr(args, "out", None)
-    if not isinstance(out, str) or not out:
+    if out == "":
+        raise ValueError("--out: is empty; give the path of the output directory")
+    if not isinstance(out, str):
         return
     target = Path(os.path.realpath(out))
     for name in INPUT_FLAGS:
@@ -77,6 +103,38 @@ def check_inputs_untouched(args: argparse.Namespace) -> None:
             label = name if name in POSITIONAL_INPUTS else f"--{name.replace('_', '-')}"
             raise ValueError(f"--out {out}: {relation} the input {label} {value}; phasekv never writes over what it "
                              "reads: choose another --out")
+
+
+@contextlib.contextmanager
+def library_bars_off(off: bool, gguf: bool = True) -> Iterator[None]:
+    """With `off`: transformers' progress bars are off inside the block, and restored after it: weight loading goes
+    through its tqdm switch; with `gguf`, GGUF de-quantizing, which calls tqdm directly, gets its module's tqdm
+    swapped for a disabled one (importing that module costs a second, so only when a GGUF file is read)."""
+    if not off:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    gguf_utils = None
+    if gguf:
+        with contextlib.suppress(ImportError):  # transformers without its GGUF loader
+            from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+# flags whose value means the command loads a transformers model or tokenizer
+_TRANSFORMERS_FLAGS = ("hf", "tokenizer", "reference_hf", "gguf_file")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -105,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     from phasekv.distributed import is_main
 
+    quiet = getattr(args, "no_progress", False) and (
+        "transformers" in sys.modules or any(getattr(args, name, None) for name in _TRANSFORMERS_FLAGS))
     try:
         check_inputs_untouched(args)
-        args.func(args)
+        with library_bars_off(quiet, gguf=bool(getattr(args, "gguf_file", None))):
+            args.func(args)
     except KeyboardInterrupt:
         if is_main():
             print(f"phasekv {args.command}: interrupted", file=sys.stderr)

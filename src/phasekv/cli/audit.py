@@ -1,7 +1,10 @@
 """`phasekv audit --hf DIR [--gguf-file NAME] --format records --compress none select:3 mean --out OUT`, or the
 model as an inference engine serves it: `phasekv audit --endpoint URL --api llamacpp|openai|sglang --tokenizer DIR
-[--gguf-file NAME] [--concurrency N] [--reuse-prefix] [--resume] --out OUT` (the engine's own compression is what
-is audited, so only the condition `none` applies; answers are journaled in OUT.journal.jsonl as they arrive)."""
+[--gguf-file NAME] [--concurrency N] [--reuse-prefix] [--resume] [--reference-hf DIR] --out OUT` (the engine's own
+compression is what is audited, so only the condition `none` applies; answers are journaled in OUT.journal.jsonl as
+they arrive; --reference-hf compares them with the same weights in transformers).  `--protocol prefix insequence
+query` chooses the prompt protocols (query: the query phase).  Every flag, the format file and the prompt set's size
+are checked before anything is loaded (`check_flags`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.cli.evaluate import add_endpoint_arguments, open_endpoint_from_args
+from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS
 
 HF_CONDITIONS = ("none", "select:3+keep-first:1", "mean+keep-first:1")
 
@@ -23,6 +27,12 @@ def add_parser(sub) -> None:
     p.add_argument("--format", default="records", help="prompt format: records, records-names, needle, bare, or a "
                                                        "YAML file")
     p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
+    p.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
+                   help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the prompt "
+                        "length varied: the query phase and its source x query phase cells)")
+    p.add_argument("--reference-hf", metavar="DIR", help="--endpoint: the same weights in transformers (with "
+                                                         "--gguf-file: that GGUF inside DIR): comparison.json, the "
+                                                         "engine vs reference agreement per source and query phase")
     p.add_argument("--compress", nargs="+", default=None, metavar="COND",
                    help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
                         "sink); default: " + " ".join(HF_CONDITIONS) + "; none only with --endpoint")
@@ -47,40 +57,77 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_flags(args, conditions: tuple[str, ...]) -> None:
+    """Every flag, checked before anything is loaded (a GGUF model takes most of a minute): counts, the device, the
+    format file, the conditions, and the prompt set's size against the memory available now."""
+    from phasekv.cli import check_positive
+    from phasekv.cli.evaluate import check_prompt_count
+    from phasekv.data.formats import load_format
+    from phasekv.distributed import resolve_device
+    from phasekv.report.audit import check_conditions
+
+    check_positive(args, "window", "stride", "records", "prompts_per_phase", "batch_size", "local_window")
+    for name in ("demos", "seed", "threads"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}: must be >= 0, got {getattr(args, name)}")
+    if args.records < args.demos + 1:
+        raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
+                         "of other records (--demos)")
+    if args.endpoint is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.endpoint is None:
+        resolve_device(args.device)
+    load_format(args.format, args.chat)
+    check_conditions(conditions, args.window, args.stride, args.local_window)
+    if args.endpoint is not None:
+        from phasekv.evaluate.endpoint import check_endpoint_conditions
+
+        check_endpoint_conditions(conditions)
+    padding = sum(p in PROTOCOLS for p in set(getattr(args, "protocol", PROTOCOLS))) or 1  # query: its own count
+    check_prompt_count(args.prompts_per_phase * args.stride * padding, "--prompts-per-phase")
+
+
 def run(args) -> dict[str, Any]:
     from phasekv.evaluate.hf import load_hf
     from phasekv.outputs import check_output_dir
-    from phasekv.report.audit import check_conditions, run_audit
+    from phasekv.report.audit import run_audit
 
-    for name in ("window", "stride", "records", "prompts_per_phase", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
+                  *(f"press:{name}" for name in args.press))
+    check_flags(args, conditions)
     check_output_dir(Path(args.out), args.force)  # before loading anything
-    if args.threads < 0:
-        raise ValueError(f"--threads: must be >= 0, got {args.threads}")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
-                  *(f"press:{name}" for name in args.press))
-    check_conditions(conditions, args.window, args.stride, args.local_window)  # before loading the model
+    if args.reference_hf is not None and args.endpoint is None:
+        raise ValueError("--reference-hf: compares a served model with its weights in process: needs --endpoint")
+    reference = None
+    if args.reference_hf is not None:
+        reference, _ = load_hf(args.reference_hf, args.device, args.dtype, gguf_file=args.gguf_file)
     if args.endpoint is not None:
-        from phasekv.evaluate.endpoint import check_endpoint_conditions, keep_journal
+        from phasekv.evaluate.endpoint import keep_journal
 
-        check_endpoint_conditions(conditions)
         adapter, tokenizer = open_endpoint_from_args(args)
     else:
         adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
     try:
         summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
                             args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
-                            args.batch_size, args.force, not args.no_progress, chat=args.chat)
+                            args.batch_size, args.force, not args.no_progress, chat=args.chat,
+                            protocols=tuple(dict.fromkeys(args.protocol)), reference=reference)
     finally:
         if args.endpoint is not None:
             adapter.close()
     if args.endpoint is not None:
         keep_journal(adapter, args.out)
     for name, result in summary["conditions"].items():
-        print(f"{name:>24}  prefix: {result['prefix']['verdict']}")
+        for protocol in summary["settings"]["protocols"]:
+            print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
+            if protocol == "query":
+                print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
+    for protocol, comparison in summary.get("comparison", {}).items():
+        overall = comparison["overall"]
+        print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
+              f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
     return summary

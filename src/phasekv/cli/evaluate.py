@@ -6,7 +6,9 @@
     torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
 
 Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags
-shared with the probes (model source and prompt set) are defined here once.
+shared with the probes (model source and prompt set) are defined here once, and checked here before anything
+loads: a flag only --hf models read is refused with --checkpoint (never silently ignored), a --format file is
+read, and a prompt set whose size alone would not fit in memory is refused (`check_prompt_count`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from phasekv.config import PROTOCOLS
+from phasekv.config import EVAL_PROTOCOLS
 
 # flag -> EvalConfig field, for the flags that describe the prompt set and the run
 _EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
@@ -81,7 +83,8 @@ def add_prompt_arguments(p) -> None:
 def add_prompt_set_arguments(p) -> None:
     """The flags that describe the prompt set (shared by eval, the probes and export)."""
     quiet = argparse.SUPPRESS
-    p.add_argument("--protocol", choices=PROTOCOLS, default=quiet, help="padding protocol (default prefix)")
+    p.add_argument("--protocol", choices=EVAL_PROTOCOLS, default=quiet, help="padding protocol (default prefix); "
+                   "query: the target fixed, the prompt length varied (the query phase, source x query cells)")
     p.add_argument("--stride", type=int, default=quiet, help="phase stride S (default: the model's; 8 without "
                                                              "compression)")
     p.add_argument("--residue-modulus", type=int, default=quiet, help="residues R (default 24)")
@@ -106,12 +109,51 @@ def given_flags(args) -> dict[str, Any]:
     return {name: getattr(args, name) for name in _EVAL_FLAGS if hasattr(args, name)}
 
 
+# EvalConfig fields only a transformers model (--hf) reads: with --checkpoint they are refused, not ignored
+HF_ONLY = ("format", "chat", "gguf_file", "device_map", "dtype")
+# bytes one prompt holds at least through an evaluation (its share of the context's ids, its query, its prediction
+# record): tracemalloc measured 820-1220 per prompt (tests/test_reliability.py checks this bound)
+PROMPT_BYTES = 512
+
+
 def source_and_config(args):
-    """(Source, EvalConfig) from parsed flags: the checkpoint's eval section, overridden by given flags."""
+    """(Source, EvalConfig) from parsed flags: the checkpoint's eval section, overridden by given flags; flags that
+    would be ignored, and prompt sets too large for memory, are refused before anything is loaded."""
     from phasekv.evaluate.sources import Source, eval_config
 
     source = Source(checkpoint=getattr(args, "checkpoint", None), hf=getattr(args, "hf", None))
-    return source, eval_config(source, given_flags(args))
+    given = given_flags(args)
+    cfg = eval_config(source, given)
+    if source.checkpoint is not None:
+        for name in HF_ONLY:
+            if name in given or (name != "dtype" and getattr(cfg, name)):
+                flag = f"--{name.replace('_', '-')}" if name in given else f"eval.{name} (the checkpoint's config.json)"
+                raise ValueError(f"{flag}: applies to --hf models only; a phasekv checkpoint is evaluated on its own "
+                                 "vocabulary, in float32: drop it")
+    elif cfg.format is not None:  # a broken format file is refused before the model loads
+        from phasekv.data.formats import load_format
+
+        load_format(cfg.format, cfg.chat)
+    check_prompt_count(prompts_at_least(cfg))
+    return source, cfg
+
+
+def prompts_at_least(cfg) -> int:
+    """A lower bound of the prompts an EvalConfig describes, from the settings alone: build_eval_set makes
+    n_clusters x R contexts of targets_per_context prompts; unset, the targets are R / g and the clusters a multiple
+    of g (g = gcd(record pitch, R) divides both), so there are at least R x max(clusters, R) prompts."""
+    r, clusters, targets = cfg.residue_modulus, cfg.clusters, cfg.targets_per_context
+    if targets:
+        return r * targets * (clusters or 1)
+    return r * max(clusters or 1, r)
+
+
+def check_prompt_count(prompts: int, flags: str = "--clusters, --targets-per-context, --residue-modulus") -> None:
+    """Refuse, before anything is built, a prompt set whose bookkeeping alone (PROMPT_BYTES a prompt) exceeds the
+    memory available now; `flags`: those that set its size."""
+    from phasekv.cli import check_budget
+
+    check_budget(prompts * PROMPT_BYTES, f"prompt set: {prompts:,} prompts or more", advice=f"lower {flags}")
 
 
 def add_parser(sub) -> None:
@@ -142,6 +184,7 @@ def run_endpoint(args) -> dict[str, Any]:
     from phasekv.outputs import check_output_dir
 
     cfg = from_section(EvalConfig, given_flags(args), "eval")
+    check_prompt_count(prompts_at_least(cfg))
     check_output_dir(Path(args.out), args.force)  # before anything is loaded or asked
     reference = None
     if args.reference_hf is not None:

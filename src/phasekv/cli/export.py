@@ -59,11 +59,13 @@ def run_gguf(args) -> dict[str, Any]:
 
 
 def run(args) -> dict[str, Any]:
+    from phasekv.cli.evaluate import check_prompt_count, prompts_at_least
     from phasekv.config import EvalConfig, from_section
     from phasekv.evaluate.lmeval import export_lmeval
 
-    summary = export_lmeval(args.tokenizer, from_section(EvalConfig, given_flags(args), "eval"), args.out,
-                            args.force)
+    cfg = from_section(EvalConfig, given_flags(args), "eval")
+    check_prompt_count(prompts_at_least(cfg))  # before the tokenizer loads
+    summary = export_lmeval(args.tokenizer, cfg, args.out, args.force)
     print(f"wrote task {summary['task']} ({summary['n_prompts']} prompts, stride {summary['stride']}, "
           f"residue modulus {summary['residue_modulus']}) to {args.out}")
     return summary

@@ -1,8 +1,14 @@
-"""`phasekv train CONFIG.yaml --out DIR [--set a.b=v ...] [--resume]` (under torchrun for several processes)."""
+"""`phasekv train CONFIG.yaml --out DIR [--set a.b=v ...] [--resume]` (under torchrun for several processes).
+
+Before anything is allocated, a config whose training step would not fit in memory is refused in one line:
+`activation_bytes` (a lower bound of what one micro-batch's step holds at once) against the memory free
+on the training device (`phasekv.cli.check_budget`); the weights have their own check (`families.check_fits`)."""
 
 from __future__ import annotations
 
-from phasekv.config import Experiment
+import os
+
+from phasekv.config import Experiment, TransformersModelConfig
 
 
 def add_parser(sub) -> None:
@@ -16,12 +22,28 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def activation_bytes(exp: Experiment, world: int = 1) -> tuple[int, int]:
+    """(sequences per micro-batch, a lower bound of the bytes its step holds at once).  When the loss is computed,
+    per token: the float32 logits and their log-softmax (2 V), and what every layer saved for the backward pass, at
+    least its input, its attention output, the MLP input (3 hidden) and one MLP intermediate.
+    tests/test_reliability.py checks it against the tensors autograd saves plus the logits."""
+    micro = max(1, exp.train.batch_size // (world * exp.train.grad_accum))
+    model = exp.model.text() if isinstance(exp.model, TransformersModelConfig) else exp.model
+    hidden, layers = getattr(model, "hidden_size", 0), getattr(model, "num_hidden_layers", 0)
+    per_token = 2 * model.vocab_size + layers * (3 * hidden + (getattr(model, "intermediate_size", None) or 0))
+    return micro, micro * exp.data.seq_len * per_token * 4
+
+
 def run(args) -> None:
     import torch.distributed as dist
 
+    from phasekv.cli import check_budget
     from phasekv.train import train
 
     exp = Experiment.from_file(args.config, args.overrides)
+    micro, need = activation_bytes(exp, int(os.environ.get("WORLD_SIZE", 1)))
+    check_budget(need, f"train: a micro-batch of {micro:,} sequences of {exp.data.seq_len} tokens", exp.train.device,
+                 "lower train.batch_size or raise train.grad_accum")
     try:
         train(exp, args.out, resume=args.resume, progress=not args.no_progress)
     finally:

@@ -26,6 +26,16 @@ first), so needles sit at sentence boundaries, the text re-tokenizes to the same
 is part of its record's pitch: prefix padding shifts the whole haystack, in-sequence padding puts fillers
 between the pieces (`phasekv.data.protocols`).
 
+Long context (`preamble_tokens` > 0, with `{prose}` in the header): `preamble_tokens` tokens of the same prose
+stand where the header says, in EVERY prompt of every cluster, shift and protocol: whole sentences of
+`haystack.txt`, the list repeated as often as needed (each pass in its own fixed order) and then a set of
+sentences summing exactly to the rest.  The context is long, the keys sit at large positions (where phase is
+position mod S as everywhere), and the records follow the preamble, so a record is at most a record block
+away from the query: what a long preamble tests is retrieval behind thousands of tokens of distractor prose
+and under compression of all of them, not retrieval across the whole depth.  Because every context begins
+with the same tokens, an evaluation prefills them once (`HFAdapter.prefill(ids, prefix=...)`), which is what
+makes an 8K-token audit of a 135M model fit in minutes on two CPU cores.
+
 Chat (`chat: true`, or `--chat`): the prompt is wrapped in the tokenizer's chat template, the user turn
 holding header, records, tail (the question) and the assistant turn left open for the demonstrations and
 the query.  The template is rendered once around a marker; its text before the marker and the header are
@@ -34,13 +44,18 @@ prompt starts with one), so positions stay exact and the joins tokenize as in ru
 
 Shipped formats: `records` (3-digit values, a prose header and tail), `records-names` (name values),
 `needle` (needles in prose, a question as the tail), `bare` (the old bare word pairs, no framing: the
-format a real model cannot do).  A YAML file with the same fields defines a new one (`load_format`).
+format a real model cannot do), and `records-4k`, `records-8k`, `needle-4k`, `needle-8k`: `records` and
+`needle` behind a prose preamble sized so that prompts are just under 4,096 / 8,192 tokens for SmolLM2's
+tokenizer (max positions 8,192) with the audit's defaults for records (24 records, 4 demonstrations) and
+the needle settings of the README (16 needles, 2 demonstrations).  A YAML file with the same fields
+defines a new one (`load_format`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import string
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -48,11 +63,30 @@ from typing import Any
 
 import numpy as np
 
-from phasekv.config import check_fields, from_section, parse_yaml, spec
+from phasekv.config import MAX_CONFIG_BYTES, check_fields, from_section, parse_yaml, spec
 from phasekv.data.vocab import _BASE, _words
+
+PROSE = "{prose}"  # where a long-context format's preamble goes in its header
+_PREAMBLE_SEED = 7  # the fixed sentence order of the preamble's passes: the same prose in every prompt
 
 # kind -> phasekv word list; "-plain": the list's words only, without the hyphenated pairs "a-b" that extend it
 WORD_KINDS = {"animals": "keys", "animals-plain": "keys", "names": "values", "words": "background"}
+
+
+def _check_placeholders(name: str, field_name: str, text: str, placeholder: str) -> None:
+    """`text` is rendered with str.format(placeholder=...): it must hold {placeholder} and no other field (a
+    positional {} or another name would fail only when the prompts are built, after the model has loaded)."""
+    where = f"format {name}.{field_name}"
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+    except ValueError as exc:  # an unmatched brace
+        raise ValueError(f"{where}: {text!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}"
+                         ) from None
+    other = [f"{{{f}}}" for f in fields if f != placeholder]
+    if other or placeholder not in fields:
+        problem = f"has the placeholder {other[0]}" if other else f"lacks {{{placeholder}}}"
+        raise ValueError(f"{where}: {text!r} {problem}; it must hold exactly {{{placeholder}}} (write a literal "
+                         "brace as {{ or }})")
 
 
 @dataclass
@@ -68,12 +102,16 @@ class PromptFormat:
     values: str = spec("names")
     filler: str = "\n"  # one token: the unit of padding (prefix and in-sequence)
     haystack_tokens: int = spec(0, low=0, high=4096)  # prose tokens before every record and after the last
+    preamble_tokens: int = spec(0, low=0, high=1 << 17)  # prose tokens at the header's {prose}, shared by all prompts
     chat: bool = False  # wrap the prompt in the tokenizer's chat template (user turn; assistant turn open)
 
     def __post_init__(self) -> None:
         check_fields(self, f"format {self.name}")
-        if "{key}" not in self.key_text or "{value}" not in self.value_text:
-            raise ValueError(f"format {self.name}: key_text needs {{key}} and value_text needs {{value}}")
+        _check_placeholders(self.name, "key_text", self.key_text, "key")
+        _check_placeholders(self.name, "value_text", self.value_text, "value")
+        if self.header.count(PROSE) != (1 if self.preamble_tokens else 0):
+            raise ValueError(f"format {self.name}.header: must hold {PROSE} exactly once when preamble_tokens > 0 "
+                             f"and not at all otherwise (preamble_tokens={self.preamble_tokens})")
         for field_name in ("keys", "values"):
             kind = getattr(self, field_name)
             if kind not in WORD_KINDS and not (kind.startswith("digits:") and kind[7:].isdigit() and
@@ -97,20 +135,49 @@ FORMATS = {
     "bare": PromptFormat("bare", key_text=" {key}", value_text=" {value}", keys="animals", values="names",
                          filler=" um"),
 }
+# the long-context formats: (base format, its header with the preamble, preamble tokens per size); with SmolLM2's
+# tokenizer and the settings of the module docstring their prompts are 4,026-4,091 / 8,102-8,155 tokens (both
+# protocols, with and without --chat)
+_LONG = {"records": ("Below is a long text, and after it a list of records.\n" + PROSE
+                     + "\nHere is the list of records.\n", {4: 3700, 8: 7776}),
+         "needle": (FORMATS["needle"].header + PROSE, {4: 3072, 8: 7136})}
+FORMATS.update({f"{base}-{k}k": dataclasses.replace(FORMATS[base], name=f"{base}-{k}k", header=header,
+                                                    preamble_tokens=n)
+                for base, (header, sizes) in _LONG.items() for k, n in sizes.items()})
 
 
 def load_format(name_or_path: str, chat: bool = False) -> PromptFormat:
-    """A shipped format by name, or a YAML file with PromptFormat's fields; `chat` turns its chat option on."""
+    """A shipped format by name, or a YAML file with PromptFormat's fields (at most MAX_CONFIG_BYTES of text);
+    `chat` turns its chat option on.  Every problem of the file is one ValueError that names the file."""
     if name_or_path in FORMATS:
         fmt = FORMATS[name_or_path]
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"--format: {name_or_path!r} is neither a shipped format {sorted(FORMATS)} nor a file")
-        tree = parse_yaml(path.read_text(), f"--format {path}")
+            kind = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "not a file"
+            raise ValueError(f"--format: {name_or_path!r} is neither a shipped format {sorted(FORMATS)} nor a file "
+                             f"({kind})")
+        where = f"--format {path}"
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{where}: {path.stat().st_size} bytes; a format file may hold at most "
+                             f"{MAX_CONFIG_BYTES} bytes")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}: not a text file (it is not UTF-8; binary data?); a format is a YAML "
+                             "mapping of PromptFormat's fields") from None
+        except OSError as exc:
+            raise ValueError(f"{where}: unreadable ({exc.strerror})") from None
+        tree = parse_yaml(text, where)
+        if tree is None:
+            raise ValueError(f"{where}: is empty; a format is a YAML mapping of PromptFormat's fields, e.g. "
+                             "key_text: '{key}:'")
         if isinstance(tree, dict):
             tree.setdefault("name", path.stem)
-        fmt = from_section(PromptFormat, tree, f"format {path}")
+        try:
+            fmt = from_section(PromptFormat, tree, "format")
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     return dataclasses.replace(fmt, chat=True) if chat else fmt
 
 
@@ -170,11 +237,14 @@ class FormatVocabulary:
             raise ValueError("tokenizer: has neither a bos nor an eos token to start prompts with")
         self.bos = bos
         before, after = _chat_texts(tokenizer, fmt.name) if fmt.chat else ("", "")
-        self.header, self.tail = list(encode(before + fmt.header)), list(encode(fmt.tail + after))
+        self.haystack_tokens = fmt.haystack_tokens
+        prose = fmt.haystack_tokens or fmt.preamble_tokens
+        self.sentences = [encode(" " + text) for text in haystack_sentences()] if prose else []
+        head, _, rest = fmt.header.partition(PROSE)
+        self.header = list(encode(before + head)) + self._preamble(fmt) + list(encode(rest))
+        self.tail = list(encode(fmt.tail + after))
         if fmt.chat and self.header[:1] == [bos]:  # every prompt already starts with <bos>
             self.header = self.header[1:]
-        self.haystack_tokens = fmt.haystack_tokens
-        self.sentences = [encode(" " + text) for text in haystack_sentences()] if fmt.haystack_tokens else []
         if self.sentences and _exact_subset([len(p) for p in self.sentences], range(len(self.sentences)),
                                             fmt.haystack_tokens) is None:
             raise ValueError(f"format {fmt.name}.haystack_tokens: no set of haystack sentences is exactly "
@@ -182,6 +252,21 @@ class FormatVocabulary:
         if len(self.answers) < 2 or len(self.key_pieces) < 2:
             raise ValueError(f"format {fmt.name}: too few distinct keys ({len(self.key_pieces)}) or answers "
                              f"({len(self.answers)}) for this tokenizer")
+
+    def _preamble(self, fmt: PromptFormat) -> list[int]:
+        """`fmt.preamble_tokens` tokens of whole sentences (module docstring): the same in every prompt."""
+        if not fmt.preamble_tokens:
+            return []
+        lengths = [len(p) for p in self.sentences]
+        passes, rest = divmod(fmt.preamble_tokens, sum(lengths))
+        # each whole pass in its own fixed order, so the repeated prose is not one long verbatim repeat
+        order = [i for k in range(passes)
+                 for i in np.random.default_rng([_PREAMBLE_SEED, k]).permutation(len(lengths)).tolist()]
+        last = _exact_subset(lengths, range(len(lengths)), rest)
+        if last is None:
+            raise ValueError(f"format {fmt.name}.preamble_tokens: no set of haystack sentences adds the remaining "
+                             f"{rest} tokens with this tokenizer; choose another length")
+        return [t for i in order + last for t in self.sentences[i]]
 
     @property
     def record_shape(self) -> tuple[int, int]:

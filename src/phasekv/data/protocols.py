@@ -1,4 +1,5 @@
-"""Evaluation prompt sets of the controlled lookup task: prefix and in-sequence padding (docs/science.md s. 3).
+"""Evaluation prompt sets of the controlled lookup task: prefix and in-sequence padding, and the query-phase
+protocol (docs/science.md s. 3).
 
 A prompt is a sequence of the lookup family (`phasekv.data.lookup.assemble`): <bos>, N records with
 fillers around them, D demonstrations (key-value queries of records that are not targets of the
@@ -7,8 +8,8 @@ share everything but the target form a `Context` (ids up to, excluding, the targ
 `Query`s, so a runner can prefill the context once and continue each query from a copy of the cache.
 `EvalSet.prompts()` is the flat view (one full prompt per query).
 
-Padding protocols (fillers are real filler tokens; every prompt of a set has the same length, so
-the query position is fixed; positions count every token, <bos> at 0):
+Padding protocols (fillers are real filler tokens; every prompt of a prefix or insequence set has the
+same length, so the query position is fixed; positions count every token, <bos> at 0):
 
 * prefix:      <bos> (f + s fillers) records (E - f - s fillers) demos target.  All records move
                together.
@@ -18,6 +19,12 @@ the query position is fixed; positions count every token, <bos> at 0):
                the last) are dropped uniformly at random into that stretch's gaps, afresh for every
                shift, so the distractors around a target move relative to it.  Targets of one
                context keep their mutual offsets.
+* query:       the query-phase protocol: the records sit where prefix padding puts them at s = 0,
+               <bos> (f fillers) records (g - 1 - f + s fillers) demos target, so the shift goes after the
+               records.  Every target keeps its position (and its source phase) at every shift, while the
+               prompt length, and with it the query position Q - (R - 1) + s (Q: the padding protocols'
+               fixed query position), grows by one token per shift: every query residue mod R exactly once
+               per cluster.  Prompt lengths differ, so `prompt_length` is the longest.
 The shift s runs over 0..R-1; f in [0, g) is the cluster's family offset (below);
 E = (g - 1) + (R - 1) + gap * N fillers in all (gap = 0 for prefix).  So prefix fillers and outer
 fillers each range over 0..R+g-2: 0..24 for 2-token records, one token beyond the training default
@@ -47,6 +54,16 @@ share a level: with fewer prompts the means stay exactly equal and the variances
 2 P / K (position^2; 2 R / K when P = R).
 Phase groups (mod S, S | R) pool R / S residue groups of equal size, mean and variance, so they
 match as well.  `EvalSet.matching_stats()` measures both with exact integer arithmetic.
+
+The query protocol, grouped by the query position mod R (the query phase): each group is one shift, so it
+holds every (cluster, target) pair exactly once at the same target position: the target positions of the
+groups are identical, and only the query position, hence the distance from target to query, differs, by
+exactly s tokens (a depth trend of at most R - 1 tokens, linear in s, not periodic).  Grouped by the target
+position mod R (the source phase) its groups hold the K pairs of each base residue, each at R shifts: their
+means are the class means Sigma_rho / K, equal under exact matching (equal class sums); their variances are
+those of each class's bases and are not matched, and the groups hold different pairs (so the evaluation takes the
+pair, not the cluster, as the unit of the source-phase statistics, `metrics.target_pairs`): the padding protocols
+remain the test of the source phase.  `matching_stats(coordinate="query")` gives the first view.
 
 Realizing the bases.  In the base layout (s = 0) record i starts at 1 + f + w i, w = record length
 (+ gap for insequence).  With g = gcd(w, R) a cluster's bases all have residues = 1 + f (mod g), so
@@ -79,11 +96,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from phasekv.config import PROTOCOLS
+from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS  # noqa: F401 (PROTOCOLS: re-exported by phasekv.data)
 from phasekv.data.lookup import assemble, filler_tokens, outside_local_window, sample_records, scatter
 from phasekv.data.vocab import Vocabulary
 
-_TAG = {"prefix": 10, "insequence": 11}  # RNG stream tags (lookup.py uses 0..2)
+_TAG = {"prefix": 10, "insequence": 11, "query": 12}  # RNG stream tags (lookup.py uses 0..2)
 _DESIGN, _CLUSTER, _CONTEXT = 0, 1, 2
 
 
@@ -98,6 +115,7 @@ class Query:
     cluster: int
     protocol: str
     record: int  # index of the target record in its context
+    query_position: int  # position of the last target-key token, whose logits predict the answer
 
 
 @dataclass
@@ -129,7 +147,8 @@ class EvalSet:
 
     @property
     def prompt_length(self) -> int:
-        return len(self.contexts[0].ids) + len(self.contexts[0].queries[0].key)
+        """Tokens of the longest prompt (of every prompt, except under the query protocol)."""
+        return max(len(c.ids) for c in self.contexts) + len(self.contexts[0].queries[0].key)
 
     @property
     def chance(self) -> float:
@@ -147,7 +166,8 @@ class EvalSet:
 
     @property
     def query_position(self) -> int:
-        """Position of the last target-key token, whose logits predict the answer (same for all)."""
+        """Position of the last target-key token, whose logits predict the answer: the same in every prompt of
+        the padding protocols; the longest prompt's under the query protocol (each `Query` holds its own)."""
         return self.prompt_length - 1
 
     def queries(self) -> list[Query]:
@@ -156,28 +176,33 @@ class EvalSet:
     def prompts(self) -> list[Prompt]:
         return [Prompt(c.ids + list(q.key), q, i) for i, c in enumerate(self.contexts) for q in c.queries]
 
-    def matching_stats(self, modulus: int | None = None) -> dict[str, Any]:
-        """Per group (target_position mod `modulus`, default residue_modulus) n, mean and variance
-        (ddof 0) of the target position, computed exactly; gaps: max - min of the means, and
-        (max - min) / mean of the variances."""
+    def matching_stats(self, modulus: int | None = None, coordinate: str = "target") -> dict[str, Any]:
+        """Per group (the `coordinate`'s position mod `modulus`, default residue_modulus; coordinate "target":
+        the target key's, "query": the query position's) n, mean and variance (ddof 0) of the target position
+        and the mean query position, computed exactly; gaps: max - min of the target means, and (max - min) /
+        mean of the variances."""
         modulus = modulus or self.residue_modulus
         if self.residue_modulus % modulus:
             raise ValueError(f"modulus: {modulus} does not divide residue_modulus {self.residue_modulus}")
-        n, s1, s2 = [0] * modulus, [0] * modulus, [0] * modulus
+        if coordinate not in ("target", "query"):
+            raise ValueError(f"coordinate: must be 'target' or 'query', got {coordinate!r}")
+        n, s1, s2, sq = [0] * modulus, [0] * modulus, [0] * modulus, [0] * modulus
         for q in self.queries():
-            r = q.target_position % modulus
+            r = (q.target_position if coordinate == "target" else q.query_position) % modulus
             n[r] += 1
             s1[r] += q.target_position
             s2[r] += q.target_position ** 2
+            sq[r] += q.query_position
         means = [Fraction(s1[r], n[r]) for r in range(modulus)]
         variances = [Fraction(n[r] * s2[r] - s1[r] ** 2, n[r] ** 2) for r in range(modulus)]
         mean_var = sum(variances) / modulus
         return {
             "modulus": modulus,
+            "coordinate": coordinate,
             "query_position": self.query_position,
             "n_prompts": sum(n),
-            "per_group": [{"group": r, "n": n[r], "mean": float(means[r]), "variance": float(variances[r])}
-                          for r in range(modulus)],
+            "per_group": [{"group": r, "n": n[r], "mean": float(means[r]), "variance": float(variances[r]),
+                           "mean_query_position": float(Fraction(sq[r], n[r]))} for r in range(modulus)],
             "max_mean_gap": float(max(means) - min(means)),
             "max_variance_rel_gap": float((max(variances) - min(variances)) / mean_var) if mean_var else 0.0,
         }
@@ -198,14 +223,14 @@ class EvalSet:
         words[end] = words[end] + "]"
         head = (f"{self.protocol} prompt {i}: cluster {q.cluster}, shift {q.shift}, target record {q.record} at "
                 f"position {q.target_position} (residue {q.residue} mod {self.residue_modulus}, phase {q.phase} "
-                f"mod {self.stride}), query at position {self.query_position}")
+                f"mod {self.stride}), query at position {q.query_position}")
         tail = f"{self.vocab.decode(q.key)} -> {self.vocab.decode([q.answer])}"
         return f"{head}\n{' '.join(words)} {tail}"
 
 
 def _check_arguments(protocol: str, **ints: int) -> None:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol: unknown {protocol!r}; choose one of {PROTOCOLS}")
+    if protocol not in EVAL_PROTOCOLS:
+        raise ValueError(f"protocol: unknown {protocol!r}; choose one of {EVAL_PROTOCOLS}")
     for name, value in ints.items():
         low = 0 if name in ("n_demos", "seed") or (name == "insequence_gap" and protocol != "insequence") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -298,7 +323,8 @@ class _Geometry(NamedTuple):
 
 
 def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) -> list[Context]:
-    """The R shifted contexts of cluster c (same records, fillers and demonstrations at every shift)."""
+    """The R shifted contexts of cluster c (same records, filler words in order and demonstrations at every
+    shift; the query protocol uses the first g - 1 + s filler words)."""
     contexts = []
     f = c % geo.g
     rng = np.random.default_rng([geo.seed, geo.tag, _CLUSTER, c])
@@ -308,20 +334,26 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     fillers = filler_tokens(rng, vocab, geo.fillers_total)  # the same words, in order, at every shift
     haystack = vocab.haystack(rng, geo.n_records + 1) if geo.spacer else None  # the same prose at every shift
     for s in range(geo.R):
+        # the query protocol shortens the prompt by the shifts still to come: R - 1 - s fillers fewer
+        query_position = geo.query_position - (geo.R - 1 - s if geo.protocol == "query" else 0)
         if geo.protocol == "prefix":
             gaps = [f + s] + [0] * (geo.n_records - 1) + [geo.fillers_total - f - s]
+        elif geo.protocol == "query":
+            gaps = [f] + [0] * (geo.n_records - 1) + [geo.fillers_total - (geo.R - 1) - f + s]
         else:
             gaps = _insequence_gaps(np.random.default_rng([geo.seed, geo.tag, _CONTEXT, c, s]), target_records,
                                     geo.n_records, f + s, geo.gap, geo.fillers_total)
         layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, geo.header, geo.tail, haystack)
+        if len(layout.ids) + geo.key_tokens - 1 != query_position:
+            raise AssertionError(f"internal: context {s} of cluster {c} puts the query at {len(layout.ids)}")
         queries = []
         for i in target_records:
             pos = layout.record_positions[i]
-            placed = pos == geo.lead + f + geo.pitch * i + s
-            if not placed or not outside_local_window(pos + geo.rec - 1, geo.query_position, geo.local_window):
+            placed = pos == geo.lead + f + geo.pitch * i + (0 if geo.protocol == "query" else s)
+            if not placed or not outside_local_window(pos + geo.rec - 1, query_position, geo.local_window):
                 raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
             queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % geo.R, pos % geo.stride, s,
-                                 c, geo.protocol, i))
+                                 c, geo.protocol, i, query_position))
         contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
     return contexts
 

@@ -1,18 +1,42 @@
 """The one small interface evaluation and probes use to talk to a model (docs/architecture.md).
 
 An adapter scores next-token logits for batches of token ids, either in one forward pass or by
-prefilling shared contexts once and continuing several queries from copies of the cache.  Both
-phasekv models and Hugging Face causal LMs implement it; probes attach PyTorch hooks to
-`adapter.attention_layers()` (each layer's `self_attn` and its output projection, `o_proj` or the module the
-model's architecture names in `phasekv.archs`, have the same roles in both families).
+prefilling shared contexts once and continuing several queries from the cache.  Both phasekv models
+and Hugging Face causal LMs implement it; probes attach PyTorch hooks to `adapter.attention_layers()`
+(each layer's `self_attn` and its output projection, `o_proj` or the module the model's architecture
+names in `phasekv.archs`, have the same roles in both families).
 
-Every position is a real token: there is no padding and no attention mask, so a token's phase is
-its index in the input ids.
+Every position is a real token: there is no padding, so a token's phase is its index in the input ids.
+
+Multi-query for transformers models (`HFAdapter`).  A prefilled cache of full-attention `DynamicLayer`s is
+read in place: the queries of one context sit side by side in ONE row, (B, n * t), each at the true
+positions length .. length + t - 1, with a 4-D attention mask that lets every query token see the whole
+cache and the earlier tokens of its own query only (`query_mask`).  The cache is handed to the forward
+through `read_only` layers, which return the cached keys with the new ones appended and keep nothing, so
+the cache is never copied per query and never written; B contexts are continued in one forward.  This is
+the same attention as one forward per full prompt (tests/test_multiquery.py compares them).  The slow
+reference, `continue_by_copies`, deep-copies the cache and repeats it once per query row; it also serves
+whatever the packed layout does not cover: caches with other layer kinds (sliding windows, compressors),
+attention kernels other than eager and sdpa, model classes not in `PACKED_MODELS`, and models with forward
+hooks (the probes' hooks act at the final position of each row, and a packed row holds n queries).
+
+Shared prefix (`prefill(ids, prefix=P)`, `shares_prefix`): when every context of an evaluation begins with
+the same P tokens (the long-context formats' prose preamble, `phasekv.data.formats`), those are prefilled
+once, kept (one entry, the last prefix seen), and each batch of contexts prefills only its own suffix on top
+of a broadcast view of them.  A suffix forward needs an explicit causal mask, which makes its attention
+dearer than a plain prefill's, so the prefix is shared only when it is at least `SHARE_PREFIX_FROM` of the
+context.
+
+Layout: transformers cache tensors are (B, H_kv, T, D); query ids come context-major, (B * n, t).
+
+Memory: before each forward, `check_memory(length, rows)` estimates its peak (`forward_bytes`) and refuses,
+in one line and before any compute, a batch of contexts that would not fit in the available memory.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -21,8 +45,13 @@ from torch import nn
 
 from phasekv.archs import architecture_of
 from phasekv.cache import KVCache
-from phasekv.families import compression_geometry
+from phasekv.families import GIB, available_memory, compression_geometry
 from phasekv.model import PhaseKVForCausalLM
+
+PACKED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # classes tests/test_multiquery.py checks the packed layout on
+# a suffix forward's masked attention costs about twice a causal prefill's per score (tiny Llama, 8K tokens), so on an
+# attention-bound model a shared prefix pays from about 3/4 of the context on (half of 2K tokens: 0.41 s vs 0.33 s)
+SHARE_PREFIX_FROM = 0.75
 
 
 @dataclass
@@ -42,7 +71,8 @@ class Adapter:
     info: ModelInfo
     module: nn.Module
     device: torch.device
-    shares_cache = False  # True: continue_from reads the prefilled cache without copying it per query row
+    shares_cache = False  # True: continue_from may continue many contexts' queries at once (batch_size contexts)
+    shares_prefix = False  # True: prefill(ids, prefix=P) may prefill the first P tokens once for every call
 
     def attention_layers(self) -> list[nn.Module]:
         """The attention module of each layer (exposing its output projection: `o_proj`, or what its architecture
@@ -53,8 +83,13 @@ class Adapter:
         """ids (B, T) -> logits (B, T, V), one forward pass without cache."""
         raise NotImplementedError
 
+    def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T) -> the last position's logits (B, 1, V), one forward pass without cache."""
+        return self.logits(ids)[:, -1:]
+
     def prefill(self, ids: torch.Tensor):
-        """ids (B, T) -> an opaque cache of the B contexts."""
+        """ids (B, T) -> an opaque cache of the B contexts.  An adapter with `shares_prefix` also takes `prefix`:
+        the number of leading tokens every row (and every later call) has in common."""
         raise NotImplementedError
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -98,8 +133,66 @@ class PhaseKVAdapter(Adapter):
         return self.module(ids.to(self.device), cache=cache.shared(repeats))
 
 
+@functools.cache
+def _read_only_layer() -> type:
+    """A DynamicLayer whose update returns its keys and values with the new ones appended and stores nothing."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReadOnlyLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+    return ReadOnlyLayer
+
+
+def read_only(layers: list[tuple[torch.Tensor, torch.Tensor]], keep: bool = False):
+    """A transformers Cache over existing (keys, values) tensors (B, H, T, D), none copied.  With `keep` False
+    its layers return the cached keys and values with the forward's own appended and store nothing (the
+    tensors are read, never written); with `keep` True they are ordinary DynamicLayers, which store the
+    concatenation (new tensors: the given ones, broadcast views included, stay as they are)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    out = []
+    for keys, values in layers:
+        layer = DynamicLayer() if keep else _read_only_layer()()
+        if keys is not None:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        out.append(layer)
+    return Cache(layers=out)
+
+
+def query_mask(entries: int, repeats: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive mask (1, 1, n * t, entries + n * t) of `repeats` queries of `length` tokens packed in one
+    row behind `entries` cached entries: every query token sees every cached entry and the tokens of its own
+    query up to itself, nothing of the other queries."""
+    own = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (t, t)
+    visible = torch.cat([torch.ones(repeats * length, entries, dtype=torch.bool, device=device),
+                         torch.block_diag(*[own] * repeats)], 1)  # (n * t, entries + n * t)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: bool) -> int:
+    """Estimated peak bytes, beyond the weights, of one forward of a transformers decoder over `rows` sequences of
+    `length` tokens: the K/V of every layer (the cache a prefill keeps), one layer's activations at a time
+    (hidden states, queries, the grouped K/V repeated per query head, the MLP's three intermediate tensors) and,
+    for eager attention, its (heads, T, T) float32 scores and probabilities; the last position's logits."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv = text.num_hidden_layers * 2 * kv_heads * head_dim * length
+    layer = length * (4 * hidden + 3 * heads * head_dim + 3 * (getattr(text, "intermediate_size", None) or 4 * hidden))
+    scores = 2 * heads * length * length * 4 if eager else 0
+    return rows * ((kv + layer) * bytes_per_value + scores + text.vocab_size * 4)
+
+
 class HFAdapter(Adapter):
-    """Any transformers causal LM.  The cache is its DynamicCache, deep-copied and repeated per query."""
+    """Any transformers causal LM.  Queries read a full-attention cache in place (the module docstring); other
+    caches are deep-copied and repeated per query (`continue_by_copies`)."""
+
+    shares_prefix = True
 
     def __init__(self, model: nn.Module, name: str, stride: int | None = None, local_window: int | None = None):
         cfg = model.config
@@ -111,6 +204,11 @@ class HFAdapter(Adapter):
                               getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)  # o_proj input
                               or text.hidden_size // heads,
                               getattr(text, "max_position_embeddings", 1 << 30), stride, local_window)
+        forward = inspect.signature(self.module.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"  # renamed in transformers 5.x
+        # the cache is what a prefill wants: the LM head runs on the last position only where the class allows it
+        self._last = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self._prefix: tuple[tuple[int, ...], object] | None = None  # the last shared prefix and its cache
 
     def attention_layers(self) -> list[nn.Module]:
         layers = None
@@ -134,26 +232,90 @@ class HFAdapter(Adapter):
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check_memory(ids.shape[1], ids.shape[0])
         return self.module(input_ids=ids.to(self.device), use_cache=False).logits
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor):
-        # the cache is what is wanted: the LM head runs on the last position only where the class allows it
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.module.forward).parameters else {}
-        out = self.module(input_ids=ids.to(self.device), use_cache=True, **keep)
+    def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check_memory(ids.shape[1], ids.shape[0])
+        return self.module(input_ids=ids.to(self.device), use_cache=False, **self._last).logits[:, -1:]
+
+    def check_memory(self, length: int, rows: int) -> None:
+        """Refuse (one-line ValueError), before it runs, a forward over `rows` sequences of `length` tokens whose
+        estimated peak (`forward_bytes`) exceeds the memory available now."""
+        dtype = next(self.module.parameters()).dtype
+        eager = getattr(self.module.config, "_attn_implementation", None) == "eager"
+        need = forward_bytes(self.module.config, length, rows, torch.finfo(dtype).bits // 8, eager)
+        have = available_memory()
+        if need > have:
+            raise ValueError(f"context: a forward of {rows} x {length} tokens of {self.info.name} needs about "
+                             f"{need / GIB:.1f} GiB, only {have / GIB:.1f} GiB of memory is available; lower "
+                             "--batch-size or the prompt length")
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, prefix: int = 0):
+        """ids (B, T) -> (cache, T).  `prefix`: the first `prefix` tokens are the same in every row and in every
+        call of this evaluation; at least SHARE_PREFIX_FROM of the context, they are prefilled once."""
+        ids = ids.to(self.device)
+        rows, length = ids.shape
+        self.check_memory(length, rows)
+        if not SHARE_PREFIX_FROM * length <= prefix < length:
+            out = self.module(input_ids=ids, use_cache=True, **self._last)
+        else:
+            if not torch.equal(ids[:, :prefix], ids[:1, :prefix].expand(rows, -1)):
+                raise ValueError(f"prefix: the rows differ within their first {prefix} tokens")
+            shared = [(layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
+                      for layer in self._shared_prefix(ids[0, :prefix]).layers]  # broadcast views, (B, H, P, D)
+            positions = torch.arange(prefix, length, device=self.device).expand(rows, -1)
+            out = self.module(input_ids=ids[:, prefix:], position_ids=positions, use_cache=True,
+                              **{self._cache_arg: read_only(shared, keep=True)}, **self._last)
         past = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5.x
-        return (past, ids.shape[1])
+        return (past, length)
+
+    def _shared_prefix(self, ids: torch.Tensor):
+        """The cache of one row of prefix ids (T,), prefilled once while the same prefix keeps coming."""
+        key = tuple(ids.tolist())
+        if self._prefix is None or self._prefix[0] != key:
+            self._prefix = None  # the previous prefix's cache is released before the new one is built
+            out = self.module(input_ids=ids[None], use_cache=True, **self._last)
+            self._prefix = (key, getattr(out, "cache", None) or out.past_key_values)
+        return self._prefix[1]
+
+    def reads_in_place(self, past) -> bool:
+        """Whether `continue_from` packs the queries of a context into one row over `past` (the module docstring)."""
+        from transformers.cache_utils import DynamicLayer
+
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.module.modules())
+        return (type(self.module).__name__ in PACKED_MODELS and not hooked
+                and getattr(self.module.config, "_attn_implementation", None) in ("eager", "sdpa")
+                and all(type(layer) is DynamicLayer for layer in getattr(past, "layers", [None])))
 
     @torch.no_grad()
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        past, length = cache
+        if not self.reads_in_place(past):
+            return self.continue_by_copies(cache, ids, repeats)
+        rows, t = ids.shape[0] // repeats, ids.shape[1]
+        packed = ids.to(self.device).reshape(rows, repeats * t)  # (B, n * t): a context's queries side by side
+        positions = torch.arange(length, length + t, device=self.device).repeat(repeats).expand(rows, -1)
+        dtype = next(self.module.parameters()).dtype
+        mask = query_mask(past.get_seq_length(), repeats, t, dtype, self.device)  # (1, 1, n * t, entries + n * t)
+        view = read_only([(layer.keys, layer.values) for layer in past.layers])
+        logits = self.module(input_ids=packed, position_ids=positions, attention_mask=mask, use_cache=True,
+                             **{self._cache_arg: view}).logits  # (B, n * t, V)
+        return logits.reshape(rows * repeats, t, -1)
+
+    @torch.no_grad()
+    def continue_by_copies(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        """`continue_from` through a deep copy of the cache repeated per query row, one query per row: the
+        reference, and the path of every cache `reads_in_place` does not cover."""
         past, length = cache
         past = copy.deepcopy(past)
         if repeats > 1:  # every cache layer repeats its whole state (compressor buffers too)
             architecture_of(self.module).repeat_cache(past, ids.shape[0] // repeats, repeats)
         ids = ids.to(self.device)
         positions = torch.arange(length, length + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-        name = "cache" if "cache" in inspect.signature(self.module.forward).parameters else "past_key_values"
-        return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{name: past}).logits
+        return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_arg: past}).logits
 
 
 def adapter_for(model: nn.Module, name: str) -> Adapter:

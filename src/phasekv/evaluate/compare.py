@@ -1,10 +1,13 @@
 """Engine vs reference: the same prompts through a served model and through transformers on the same weights.
 
-For every prompt the engine's greedy next token is compared with the reference's argmax, and the two
-log-probabilities of the engine's token are differenced (engine minus reference; the engine's own log-probability
-comes from its top-k answer).  Agreement is reported overall, per source phase (the target record's position mod
-S) and per query phase (the last prompt position mod S), each with a Wilson 95% interval: an engine whose
-disagreements concentrate on some phases is a finding about the engine, not about the model.
+For every prompt the engine's greedy next token is compared with the reference's argmax (and each with the
+answer: both accuracies per group), and the two log-probabilities of the engine's token are differenced (engine
+minus reference; the engine's own log-probability comes from its top-k answer).  Agreement is reported overall,
+per source phase (the target record's position mod S) and per query phase (the last prompt position mod S; it
+varies under the query protocol), each with a Wilson 95% interval, with the mean signed and absolute
+log-probability differences: an engine whose disagreements concentrate on some phases is a finding about the
+engine, not about the model.  `phasekv eval --endpoint` and `phasekv audit --endpoint` take `--reference-hf DIR`
+for it (`evaluate_endpoint`, `report.audit.run_audit`).
 
 The reference runs through `predict` (contexts prefilled once, each query continued from the cache); `_Recorder`
 keeps, per prompt, the reference's argmax and its log-probability of the engine's token.
@@ -70,8 +73,9 @@ def compare(engine: EndpointAdapter, reference: Adapter, eval_set: EvalSet, batc
     for p, key, answer in zip(prompts, keys, answers, strict=True):
         ref_top, ref_logp = recorder.seen[key]
         own = dict(answer.top).get(answer.token)
-        rows.append({"phase": p.query.phase, "query_phase": (len(p.ids) - 1) % eval_set.stride,
-                     "agree": ref_top == answer.token, "dlogp": None if own is None else own - ref_logp})
+        rows.append({"phase": p.query.phase, "query_phase": p.query.query_position % eval_set.stride,
+                     "agree": ref_top == answer.token, "dlogp": None if own is None else own - ref_logp,
+                     "engine_correct": answer.token == p.query.answer, "reference_correct": ref_top == p.query.answer})
     return {"protocol": eval_set.protocol, "stride": eval_set.stride, "engine": engine.info.name,
             "reference": reference.info.name, "overall": _group(rows),
             "per_phase": _per(rows, "phase"), "per_query_phase": _per(rows, "query_phase")}
@@ -89,6 +93,9 @@ def _group(rows: list[dict[str, Any]]) -> dict[str, Any]:
     low, high = wilson_interval(k, n)
     diffs = np.array([r["dlogp"] for r in rows if r["dlogp"] is not None])
     return {"n": n, "agree": k, "agreement": k / n, "ci_low": low, "ci_high": high,
+            "engine_accuracy": sum(r["engine_correct"] for r in rows) / n,
+            "reference_accuracy": sum(r["reference_correct"] for r in rows) / n,
+            "mean_dlogp": float(diffs.mean()) if diffs.size else None,
             "mean_abs_dlogp": float(np.abs(diffs).mean()) if diffs.size else None,
             "max_abs_dlogp": float(np.abs(diffs).max()) if diffs.size else None}
 

@@ -16,8 +16,9 @@ the top-k log-probabilities with every other token at `FLOOR` (their argmax is t
 token).  Prompt caching is off by default (each prompt is computed from scratch, as the in-process
 reference computes it); `reuse_prefix` sends the queries of one context back to back with caching on,
 so the engine's prefix cache serves them: for a compressed engine that is its own code path, and the
-adapter's name says so.  Requests run `concurrency` at a time; connection errors and 5xx answers are
-retried with exponential backoff; anything else is a one-line `EndpointError`.
+adapter's name says so.  Requests run `concurrency` at a time; connection errors (refused, reset, timed out, a
+body cut short) and 5xx answers are retried with exponential backoff; anything else is a one-line `EndpointError`,
+as is an answer that names another model than the run's first answer did (a server restarted mid-run).
 
 Each answer is appended to a `Journal` (one fsync'd JSON line per prompt) as it arrives, so a killed
 audit resumed with the same journal sends only the prompts that were never answered.
@@ -388,6 +389,7 @@ class EndpointAdapter(Adapter):
         self.journal: Journal | None = None
         self.answers: dict[str, Answer] = {}
         self.sent = 0  # requests answered by the server in this process (the journal's are not resent)
+        self.answered_by: str | None = None  # the "model" the server's first answer named (llama.cpp, OpenAI, vLLM)
         self._lock = threading.Lock()
 
     def settings(self) -> dict[str, Any]:
@@ -438,11 +440,27 @@ class EndpointAdapter(Adapter):
         keys = [[prompt_key(p) for p in group] for group in groups]
         todo = [g for g, group_keys in enumerate(keys) if any(k not in self.answers for k in group_keys)]
         if todo:
+            # set by the first failure, in the thread that saw it: no request starts after it (a worker would
+            # otherwise take the next queued prompt before the caller gets to cancel the queue)
+            stop = threading.Event()
+
+            def send(g: int) -> None:
+                if stop.is_set():
+                    return
+                try:
+                    self._send_group(groups[g], keys[g])
+                except BaseException:
+                    stop.set()
+                    raise
+
             pool = ThreadPoolExecutor(self.concurrency)
             try:
-                for future in as_completed([pool.submit(self._send_group, groups[g], keys[g]) for g in todo]):
+                for future in as_completed([pool.submit(send, g) for g in todo]):
                     future.result()  # the first failure stops the run
-            finally:  # on a failure or Ctrl-C nothing more is sent; requests in flight finish (and are journaled)
+            except BaseException:  # a failure or Ctrl-C: nothing more is sent; requests in flight finish (journaled)
+                stop.set()
+                raise
+            finally:
                 pool.shutdown(wait=True, cancel_futures=True)
         return [[self.answers[k] for k in group_keys] for group_keys in keys]
 
@@ -456,7 +474,13 @@ class EndpointAdapter(Adapter):
             if read is not None and read != len(ids):
                 raise EndpointError(f"the server read {read} prompt tokens where {len(ids)} ids were sent (did it "
                                     "add a BOS or tokenize the prompt as text?)")
+            served = payload.get("model") if isinstance(payload, dict) else None
             with self._lock:  # the request threads count and store answers one at a time
+                if isinstance(served, str):  # every answer must come from the model the first one came from
+                    self.answered_by = self.answered_by or served
+                    if served != self.answered_by:
+                        raise EndpointError(f"the server answered with model {served!r} after {self.answered_by!r}: "
+                                            "was it restarted with another model? (answers so far are journaled)")
                 self.sent += 1
                 self.answers[key] = answer
             if self.journal is not None:

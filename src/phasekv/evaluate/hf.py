@@ -104,6 +104,7 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
         hf_config = AutoConfig.from_pretrained(path, **source)
     except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
         raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+    check_causal_lm(path, hf_config, len(tokenizer))
     if not device_map:  # a device map spreads the weights over GPUs: accelerate checks what fits
         check_fits(hf_config, bytes_per_value=torch.finfo(kwargs["dtype"]).bits // 8)
     try:
@@ -114,6 +115,23 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", device_map: 
         model = model.to(device)
     name = Path(path).name or str(path)
     return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer
+
+
+def check_causal_lm(path: str, hf_config, tokenizer_size: int) -> None:
+    """Refuse, before any weight is read, a model transformers cannot load as a causal LM (a vision model such as
+    ViT) and a tokenizer whose ids run past the model's embedding (another model's tokenizer)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"--hf {path}: config.json describes a {type(hf_config).__name__} (model_type "
+                         f"{hf_config.model_type!r}), not a causal language model; phasekv evaluates next-token "
+                         "prediction")
+    text = hf_config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise ValueError(f"--hf {path}: the tokenizer has {tokenizer_size} token ids but the model's embedding only "
+                         f"{vocab} (vocab_size): ids from {vocab} on have no embedding; is it another model's "
+                         "tokenizer?")
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None, flag: str = "--hf"):

@@ -65,6 +65,11 @@ What `summarize` computes, and why:
   the largest absolute difference of group means and the largest relative difference of group
   variances, (max - min) / mean of the group variances.  The protocols match both so that depth
   effects cannot masquerade as phase effects; these numbers check that they did.
+* `query_phase_statistics` (the query protocol, target fixed and prompt length varied): all of the above and
+  the verdict with prompts grouped by the query position mod R, and `cross_phase_table`: accuracy per (source
+  phase, query phase) cell with Wilson intervals, both margins and the relative phase (query - target) mod S.
+  That protocol's statistics take the (cluster, target) pair as the cluster (`target_pairs`), and its source-phase
+  period criterion counts a pair once (`pair_period`).
 """
 
 from __future__ import annotations
@@ -525,3 +530,89 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
 
 def _interval(ci: list[float] | None) -> str:
     return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+
+
+# The query phase (the query protocol of `phasekv.data.protocols`): the target's position is held fixed and the
+# prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
+
+def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
+                           in_context_chance: float, judge=task_verdict, n_boot: int = 2000,
+                           seed: int = 0) -> dict[str, Any]:
+    """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
+    against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's
+    position, the same rules on the other coordinate (its `position_matching` is of the query position); and
+    `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
+
+    The unit is the (cluster, record) pair (`target_pairs`): the protocol shows every pair once at every query
+    residue, a complete block design, so the permutation test shuffles each pair's own shifts (an exact test of
+    "the answers do not depend on the query position", and Cochran's Q is defined), and differences between
+    pairs, which are the same in every group, do not swamp it as they do when whole examples are shuffled."""
+    if any("query_position" not in r or "record" not in r for r in records):
+        raise ValueError("records lack the field 'query_position' or 'record' (predictions of "
+                         "phasekv.evaluate.runner.predict)")
+    pairs = target_pairs(records)
+    regrouped = {"cluster": [r["cluster"] for r in pairs], "correct": [r["correct"] for r in records],
+                 "target_position": [r["query_position"] for r in records]}
+    query = summarize(regrouped, stride, residue_modulus, n_boot=n_boot, seed=seed)
+    query.update(judge(query, chance, in_context_chance))
+    return {"query_phase": query, "cross": cross_phase_table(records, stride)}
+
+
+def target_pairs(records: Sequence[Mapping]) -> list[dict[str, Any]]:
+    """`records` with `cluster` replaced by an id of its (cluster, record) pair: the unit of the query protocol's
+    source-phase statistics.  There a target keeps its source phase at every shift, so a source-phase group holds
+    its own pairs, each at every shift; resampling and permuting whole examples would count a pair's repeats as
+    independent evidence (an easy pair in one group looks like a phase effect), while pairs are exchangeable
+    between groups under "accuracy does not depend on the source phase"."""
+    ids: dict[tuple[Any, Any], int] = {}
+    return [{**r, "cluster": ids.setdefault((r["cluster"], r["record"]), len(ids))} for r in records]
+
+
+def pair_period(records: Sequence[Mapping], residue_modulus: int) -> dict[str, Any]:
+    """`detected_period` and `period_scores` of the source-phase curve when every (cluster, record) pair is shown
+    at several shifts with its source phase fixed (the query protocol): `detect_period` on the residue counts
+    divided by the shows per pair, one unit of evidence per pair.  BIC's likelihood treats prompts as independent
+    and a pair's repeats are not: counted as prompts, a period-8 curve of a few pairs per residue reads as period
+    24.  Conservative where a pair's answers vary with the shift."""
+    R = int(residue_modulus)
+    residue = np.asarray([r["target_position"] for r in records], dtype=np.int64) % R
+    correct = np.asarray([float(r["correct"]) for r in records])
+    shows = len(records) / len({(r["cluster"], r["record"]) for r in records})
+    k, n = _group_counts(residue, correct, R)
+    period, scores = detect_period(k / shows, n / shows)
+    return _rounded({"detected_period": period, "period_scores": {str(d): v for d, v in scores.items()},
+                     "period_criterion": "BIC of binomial model with accuracy depending on residue mod d, one unit "
+                                         "of evidence per (cluster, target) pair"})
+
+
+def cross_phase_table(records: Sequence[Mapping], stride: int) -> dict[str, Any]:
+    """The cross design: accuracy per (source phase, query phase) cell, source phase = target_position mod S and
+    query phase = query_position mod S, with Wilson 95% intervals; both margins (`per_phase`, `per_query_phase`);
+    and `per_relative_phase`, (query - target position) mod S, the coordinate of a kernel that chunks the cache
+    from the end of the prompt.  A cell without prompts has n = 0 and accuracy None."""
+    if not isinstance(stride, int | np.integer) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    if len(records) == 0:
+        raise ValueError("records is empty")
+    S = int(stride)
+    target = np.asarray([r["target_position"] for r in records], dtype=np.int64)
+    query = np.asarray([r["query_position"] for r in records], dtype=np.int64)
+    correct = np.asarray([float(r["correct"]) for r in records])
+    k, n = _group_counts((target % S) * S + query % S, correct, S * S)
+    cells = [{"phase": p, "query_phase": q, **_cell(k[p * S + q], n[p * S + q])} for p in range(S) for q in range(S)]
+    k, n = k.reshape(S, S), n.reshape(S, S)  # (source phase, query phase)
+    relative = _group_counts((query - target) % S, correct, S)
+    return _rounded({
+        "stride": S, "n_prompts": len(correct), "cells": cells,
+        "per_phase": [{"phase": p, **_cell(k[p].sum(), n[p].sum())} for p in range(S)],
+        "per_query_phase": [{"query_phase": q, **_cell(k[:, q].sum(), n[:, q].sum())} for q in range(S)],
+        "per_relative_phase": [{"relative_phase": d, **_cell(relative[0][d], relative[1][d])} for d in range(S)],
+    })
+
+
+def _cell(k: float, n: float) -> dict[str, Any]:
+    """n, n_correct, accuracy and Wilson 95% interval of one group (None for an empty group)."""
+    if n == 0:
+        return {"n": 0, "n_correct": 0, "accuracy": None, "ci_low": None, "ci_high": None}
+    low, high = wilson_interval(k, n)
+    return {"n": int(n), "n_correct": int(k), "accuracy": float(k / n), "ci_low": low, "ci_high": high}

@@ -7,7 +7,8 @@ as in the paper) and are complete when they end inside the old region.  Old posi
 no complete window (the tail just before the local window) stay raw, as do the local window and
 the optional attention sink.  Queries then continue from the shorter cache at their true
 positions: `HFAdapter.continue_from` passes explicit position_ids, which set RoPE, while the
-causal mask only needs the cache length (every cached entry precedes every query).
+mask only needs the cache length (every cached entry precedes every query).  A context is compressed
+once, at prefill; its queries all read that one compressed cache in place (`phasekv.evaluate.adapter`).
 
 Policies (one entry per window, per batch row and KV head):
   - `select:r`  the token at offset r of the window (a subset of the raw cache: equal to full
@@ -27,13 +28,12 @@ order of their window starts; order is irrelevant to attention once RoPE has bee
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from phasekv.evaluate.adapter import Adapter, HFAdapter, ModelInfo
+from phasekv.evaluate.adapter import Adapter, HFAdapter, ModelInfo, read_only
 
 POLICIES = ("select:r", "mean", "max-norm")
 
@@ -92,14 +92,13 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, policy: Policy, win
     if starts:
         idx = torch.tensor(starts, device=keys.device)[:, None] + torch.arange(window, device=keys.device)  # (N, W)
         in_sink = idx < sink  # (N, W)
-        win_k, win_v = keys[:, :, idx], values[:, :, idx]  # (B, H, N, W, D)
-        if policy.kind == "select":
-            live = ~in_sink[:, policy.offset]  # (N,)
-            ent_k, ent_v = win_k[:, :, live, policy.offset], win_v[:, :, live, policy.offset]
+        if policy.kind == "select":  # only the kept offset is gathered: no copy of every window
+            pick = idx[~in_sink[:, policy.offset], policy.offset]  # (N',)
+            ent_k, ent_v = keys[:, :, pick], values[:, :, pick]  # (B, H, N', D)
         else:
             live = ~in_sink.all(1)
             keep = (~in_sink[live]).to(keys.dtype)[:, :, None]  # (N', W, 1)
-            win_k, win_v = win_k[:, :, live], win_v[:, :, live]  # (B, H, N', W, D)
+            win_k, win_v = keys[:, :, idx[live]], values[:, :, idx[live]]  # (B, H, N', W, D)
             if policy.kind == "mean":
                 ent_k = (win_k * keep).sum(3) / keep.sum(1)
                 ent_v = (win_v * keep).sum(3) / keep.sum(1)
@@ -125,15 +124,12 @@ def _attention_layers(cache: Cache) -> list[DynamicLayer]:
 
 
 def compress_cache(cache: Cache, policy: str | Policy, window: int, stride: int, local_window: int) -> Cache:
-    """A compressed deep copy of a prefilled DynamicCache (the input is left unchanged)."""
+    """A compressed copy of a prefilled cache of full-attention DynamicLayers (the input is left unchanged)."""
     check_geometry(window, stride, local_window)
     policy = parse_policy(policy, window) if isinstance(policy, str) else policy
-    _attention_layers(cache)
-    out = copy.deepcopy(cache)
-    for layer in _attention_layers(out):
-        if layer.get_seq_length() > 0:
-            layer.keys, layer.values = compress_layer(layer.keys, layer.values, policy, window, stride, local_window)
-    return out
+    return read_only([compress_layer(layer.keys, layer.values, policy, window, stride, local_window)
+                      if layer.get_seq_length() > 0 else (layer.keys, layer.values)
+                      for layer in _attention_layers(cache)], keep=True)
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -146,6 +142,8 @@ class PosthocAdapter(Adapter):
     """An HFAdapter whose prefilled caches are compressed post hoc; `runner.predict` works unchanged.
 
     `bytes` records the (full, compressed) cache sizes of the last prefill."""
+
+    shares_prefix = True  # the full prefill may share its prefix: compression starts from the whole cache
 
     def __init__(self, inner: HFAdapter, policy: str, window: int, stride: int, local_window: int = 16):
         check_geometry(window, stride, local_window)
@@ -164,9 +162,21 @@ class PosthocAdapter(Adapter):
         raise ValueError("post-hoc compression happens between prefill and the queries: evaluate with "
                          "prefill + continue_from (multi-query), not one forward pass per prompt")
 
+    def check_length(self, length: int) -> None:
+        """Also refuse a condition that would compress nothing in a prompt of `length` tokens (no complete window
+        in the old region, or one long sink covering every window): its numbers would be the full cache's."""
+        super().check_length(length)
+        starts = window_starts(length, self.window, self.stride, self.local_window)
+        if not starts or starts[-1] + self.window <= self.policy.keep_first:
+            covered = (f"keep-first:{self.policy.keep_first} keeps every window raw" if starts else
+                       f"no window of {self.window} tokens ends before the last {self.local_window}")
+            raise ValueError(f"--compress {self.policy.kind}+keep-first:{self.policy.keep_first}: prompts of {length} "
+                             f"tokens would not be compressed at all ({covered}); lower keep-first or use longer "
+                             "prompts")
+
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor):
-        past, length = self.inner.prefill(ids)
+    def prefill(self, ids: torch.Tensor, prefix: int = 0):
+        past, length = self.inner.prefill(ids, prefix)
         small = compress_cache(past, self.policy, self.window, self.stride, self.local_window)
         self.bytes = {"full": cache_bytes(past), "compressed": cache_bytes(small)}
         return small, length

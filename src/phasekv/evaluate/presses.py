@@ -24,6 +24,10 @@ Presses offered (`NAME`: kvpress class; keys with their defaults; what it keeps)
 `ratio` is the fraction of positions removed (kvpress's compression_ratio); a wrapper (chunkkv, chunk,
 block) scores with `press=` and takes that press's keys too, e.g. `chunkkv:press=snapkv,window=16,ratio=0.75,chunk=8`.
 
+A press compresses each context once, during its prefill (the whole context in one forward: a press scores
+positions against the context's own queries, so no prefix is shared), and all of the context's queries read
+that one compressed cache in place (`HFAdapter.continue_from`).
+
 Batches: kvpress 0.5.5's ChunkKVPress picks the chunks of batch row 0 for every row, so a chunkkv press
 prefills and continues its contexts one row at a time (`PressAdapter.rows_separately`); every other press
 selects per row and head.  Lengths: contexts are never padded, every position is a real token.  kvpress

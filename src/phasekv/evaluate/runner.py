@@ -2,11 +2,13 @@
 
 Two equivalent strategies (tested to agree):
   - multi-query: contexts are prefilled once, in batches, and each context's queries continue from
-    its cache (one short forward per query instead of one long one): read through a shared view for
-    adapters that declare `shares_cache` (phasekv models), from copies otherwise;
+    its cache (one short forward per query instead of one long one), read in place (phasekv models
+    and full-attention transformers models, `phasekv.evaluate.adapter`); the leading tokens every
+    context shares are handed to adapters that declare `shares_prefix`, which prefill them once;
   - one-by-one: every full prompt is its own forward pass (the reference, and the fallback).
 `evaluate` writes the run's files: metrics.json (schema in the README), predictions.jsonl and
-accuracy_by_residue.png.
+accuracy_by_residue.png (under the query protocol also the query-phase statistics and
+accuracy_by_source_and_query_phase.png).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from phasekv import distributed
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import summarize, task_verdict
+from phasekv.evaluate.metrics import pair_period, query_phase_statistics, summarize, target_pairs, task_verdict
 from phasekv.evaluate.sources import Source, batch_size, open_source
-from phasekv.figures.evaluation import plot_accuracy_by_residue
+from phasekv.figures.evaluation import plot_accuracy_by_residue, plot_cross_phase_heatmap
 from phasekv.outputs import check_output_dir, output_dir
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,20 @@ log = logging.getLogger(__name__)
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def _contexts_per_batch(adapter: Adapter, batch_size: int, n_q: int) -> int:
+    """Contexts per prefill: an adapter that continues many contexts' queries at once (`shares_cache`) takes
+    batch_size contexts, as many prompts as a one-by-one forward; others about batch_size query rows."""
+    return batch_size if adapter.shares_cache else max(1, batch_size // n_q)
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    """The number of leading tokens all rows share."""
+    first, n = rows[0], min(len(r) for r in rows)
+    for row in rows[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], row[:n])) if a != b), n)
+    return n
 
 
 def _top1(logits: torch.Tensor) -> list[int]:
@@ -51,27 +67,24 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
             progress: bool = True, desc: str = "eval") -> list[dict[str, Any]]:
     """One record per query, in `eval_set.queries()` order: position metadata, prediction, correct."""
     adapter.check_length(eval_set.prompt_length)
-    preds: list[int] = []
     # the bars are closed (and, with leave=False, erased) even when an error stops the loop, so the
     # error is the only line left on the terminal
     if multi_query:
         contexts = eval_set.contexts
-        # contexts of one batch must share their number of queries and key length
-        groups: dict[tuple[int, int], list[int]] = {}
+        # contexts of one batch must share their number of queries, key length and length (the query protocol's
+        # contexts differ in length)
+        groups: dict[tuple[int, int, int], list[int]] = {}
         for i, c in enumerate(contexts):
-            groups.setdefault((len(c.queries), len(c.queries[0].key)), []).append(i)
+            groups.setdefault((len(c.queries), len(c.queries[0].key), len(c.ids)), []).append(i)
         by_context: dict[int, list[int]] = {}
+        # adapters of the original interface (duck-typed ones too) have no shares_prefix
+        prefix = _common_prefix([c.ids for c in contexts]) if getattr(adapter, "shares_prefix", False) else 0
         with tqdm(total=len(eval_set.queries()), desc=desc, unit="prompt", disable=not progress,
                   leave=False) as bar:
-            for (n_q, _), members in groups.items():
-                # an adapter that continues from a shared cache (no copy per query) prefills batch_size
-                # contexts per forward, as many prompts as a one-by-one forward; others keep about
-                # batch_size query rows (and cache copies) per continuation
-                shared = adapter.shares_cache
-                per_batch = batch_size if shared else max(1, batch_size // n_q)
-                for chunk in _batches(members, per_batch):
+            for (n_q, _, _), members in groups.items():
+                for chunk in _batches(members, _contexts_per_batch(adapter, batch_size, n_q)):
                     ids = torch.tensor([contexts[i].ids for i in chunk])
-                    cache = adapter.prefill(ids)
+                    cache = adapter.prefill(ids, prefix=prefix) if prefix else adapter.prefill(ids)
                     qids = torch.tensor([list(q.key) for i in chunk for q in contexts[i].queries])
                     top = _top1(adapter.continue_from(cache, qids, n_q))
                     for j, i in enumerate(chunk):
@@ -79,10 +92,19 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
                     bar.update(len(qids))
         preds = [p for i in range(len(contexts)) for p in by_context[i]]
     else:
-        chunks = list(_batches(eval_set.prompts(), batch_size))
+        prompts = eval_set.prompts()
+        by_length: dict[int, list[int]] = {}  # a batch holds prompts of one length
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p.ids), []).append(i)
+        chunks = [chunk for members in by_length.values() for chunk in _batches(members, batch_size)]
+        preds = [0] * len(prompts)
+        # the last position's logits only; an adapter of the original interface gives all of them
+        last_logits = getattr(adapter, "next_logits", adapter.logits)
         with tqdm(total=len(chunks), desc=desc, unit="batch", disable=not progress, leave=False) as bar:
             for chunk in chunks:
-                preds.extend(_top1(adapter.logits(torch.tensor([p.ids for p in chunk]))))
+                for i, pred in zip(chunk, _top1(last_logits(torch.tensor([prompts[i].ids for i in chunk]))),
+                                   strict=True):
+                    preds[i] = pred
                 bar.update()
     records = []
     for q, pred in zip(eval_set.queries(), preds, strict=True):
@@ -90,6 +112,7 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
         records.append({"target_position": q.target_position, "residue": q.residue, "phase": q.phase,
                         "answer_position": answer_position, "answer_phase": answer_position % eval_set.stride,
                         "protocol": q.protocol, "shift": q.shift, "cluster": q.cluster, "record": q.record,
+                        "query_position": q.query_position, "query_phase": q.query_position % eval_set.stride,
                         "answer": q.answer, "prediction": int(pred), "correct": int(pred) == q.answer})
     return records
 
@@ -108,8 +131,12 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
               judge: Callable[[dict, float, float], dict] = task_verdict, figures: bool = True) -> dict[str, Any]:
     """metrics.json (statistics + position matching + settings + `judge`'s chance and verdict),
     predictions.jsonl and (with `figures`) the figure."""
-    metrics = summarize(records, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
+    # the query protocol fixes each target's source phase: the (cluster, target) pair is the unit there
+    source = target_pairs(records) if eval_set.protocol == "query" else records
+    metrics = summarize(source, stride=eval_set.stride, residue_modulus=eval_set.residue_modulus,
                         n_boot=n_boot, seed=seed)
+    if eval_set.protocol == "query":
+        metrics.update(pair_period(records, eval_set.residue_modulus))
     metrics.update(judge(metrics, eval_set.chance, eval_set.in_context_chance))
     metrics.update({
         "protocol": eval_set.protocol,
@@ -121,6 +148,10 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
         "target_position_matching": eval_set.matching_stats(),
         **(extra or {}),
     })
+    if eval_set.protocol == "query":  # the query-phase curve, its verdict and the source x query phase cells
+        metrics.update(query_phase_statistics(records, eval_set.stride, eval_set.residue_modulus, eval_set.chance,
+                                              eval_set.in_context_chance, judge, n_boot, seed))
+        metrics["query_position_matching"] = eval_set.matching_stats(coordinate="query")
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +162,9 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
         if figures:
             plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
                                      title=f"{adapter.info.name}: {eval_set.protocol} padding")
+            if "cross" in metrics:
+                plot_cross_phase_heatmap(metrics["cross"], out / "accuracy_by_source_and_query_phase.png",
+                                         title=f"{adapter.info.name}: accuracy [%] by source x query phase")
         log.info("wrote %s", out)
     return metrics
 

@@ -1,7 +1,8 @@
 """Figures of the evaluation (docs/science.md sections 3 and 6): accuracy by residue and the shift sweep.
 
 `plot_accuracy_by_residue`, `plot_residue_curves`, `plot_residue_grid` and `plot_phase_heatmap` read
-the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json contract); `plot_sweep`
+the dict that `phasekv.evaluate.metrics.summarize` returns (the metrics.json contract);
+`plot_cross_phase_heatmap` reads its `cross_phase_table` (the query protocol's source x query phase); `plot_sweep`
 reads the sweep.json dict of `phasekv.evaluate.sweep.run_sweep`.  Each writes a PNG (or any format the file
 suffix names) and returns its path.
 """
@@ -139,6 +140,45 @@ def plot_phase_heatmap(curves: dict[str, dict], path: str | Path, title: str | N
     ax.set_yticks(range(len(curves)), list(curves), fontsize=8)
     ax.set_xlabel("phase = target key position mod S (grey: beyond the model's S)")
     ax.set_title(title or "Top-1 accuracy by phase [%]", fontsize=10)
+    fig.colorbar(image, ax=ax, label="top-1 accuracy [%]")
+    return save(fig, path)
+
+
+def plot_cross_phase_heatmap(cross: dict, path: str | Path, title: str | None = None) -> Path:
+    """The cross design (the `cross` dict of `phasekv.evaluate.metrics.cross_phase_table`): accuracy per source
+    phase (rows) x query phase (columns) cell, each with its n, and the margins in an extra row and column (the
+    corner: all prompts); an empty cell stays grey; returns the written path."""
+    if "cells" not in cross or "stride" not in cross:
+        raise ValueError("cross dict lacks 'cells' or 'stride'; pass the output of metrics.cross_phase_table")
+    S = int(cross["stride"])
+    grid = np.full((S + 1, S + 1), np.nan)  # (source phase + margin, query phase + margin), accuracy %
+    counts = np.zeros((S + 1, S + 1), dtype=int)
+    rows = [(c["phase"], c["query_phase"], c) for c in cross["cells"]]
+    rows += [(r["phase"], S, r) for r in cross["per_phase"]]
+    rows += [(S, r["query_phase"], r) for r in cross["per_query_phase"]]
+    for i, j, c in rows:
+        counts[i, j] = c["n"]
+        if c["accuracy"] is not None:
+            grid[i, j] = 100 * c["accuracy"]
+    total = counts[:S, S].sum()
+    counts[S, S] = total
+    if total:
+        grid[S, S] = 100 * sum(r["n_correct"] for r in cross["per_phase"]) / total
+    fig = new_figure(max(7.5, 1.6 + 0.62 * (S + 1) + 1.2), 1.2 + 0.5 * (S + 1))  # wide enough for the title
+    ax = fig.add_subplot()
+    cmap = colormaps["viridis"].with_extremes(bad="0.85")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto", interpolation="nearest")
+    for (i, j), value in np.ndenumerate(grid):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.0f}\n{counts[i, j]}", ha="center", va="center", fontsize=6.5,
+                    color="white" if value < 60 else "black")
+    ax.axhline(S - 0.5, color="white", lw=2)
+    ax.axvline(S - 0.5, color="white", lw=2)
+    ax.set_xticks(range(S + 1), [*map(str, range(S)), "all"])
+    ax.set_yticks(range(S + 1), [*map(str, range(S)), "all"])
+    ax.set_xlabel(f"query phase = query position (last prompt token) mod {S}")
+    ax.set_ylabel(f"source phase = target key position mod {S}")
+    ax.set_title(title or "Top-1 accuracy [%] by source and query phase (cell text: accuracy, n)", fontsize=10)
     fig.colorbar(image, ax=ax, label="top-1 accuracy [%]")
     return save(fig, path)
 

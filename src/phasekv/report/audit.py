@@ -16,7 +16,11 @@ and evaluate it under each condition:
 
 Both padding protocols (exact position matching), per-phase accuracy with intervals, the chance
 level, the detected period and a one-line verdict per condition go into OUT/summary.json (the one
-source of truth) and OUT/report.html (drawn from it).
+source of truth) and OUT/report.html (drawn from it).  `protocols` may add the query protocol (the target
+fixed, the prompt length varied): its query-phase curve gets the same verdict, and its source x query phase
+cells a heatmap.  With a `reference` (the engine's weights in process, for an endpoint audit) the same prompts
+go through it as well: OUT/comparison.json, the engine-vs-reference agreement per source and query phase
+(`phasekv.evaluate.compare`), also in summary.json and the report.
 """
 
 from __future__ import annotations
@@ -37,14 +41,14 @@ from phasekv.data.protocols import build_eval_set
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import task_verdict
 from phasekv.evaluate.runner import predict, write_run
-from phasekv.figures.evaluation import plot_residue_curves
+from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
 from phasekv.outputs import output_dir
-from phasekv.report.html import STYLE, _img, _pct
+from phasekv.report.html import STYLE, _img, _pct, comparison_table, query_phase_table
 from phasekv.report.reproduce import METRIC_KEYS, check_finite
 
 log = logging.getLogger(__name__)
 
-AUDIT_KEYS = METRIC_KEYS
+AUDIT_KEYS = (*METRIC_KEYS, "query_phase", "cross", "query_position_matching")  # the last three: query protocol
 
 
 def check_conditions(conditions: tuple[str, ...], window: int, stride: int, local_window: int) -> None:
@@ -92,9 +96,15 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
               conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
               window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
               prompts_per_phase: int = 64, seed: int = 0, batch_size: int = 16, force: bool = False,
-              progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS, chat: bool = False) -> dict[str, Any]:
-    """Audit `adapter` (a transformers model) under each condition; publish OUT atomically.  `chat`: wrap the
-    prompts in the tokenizer's chat template (`phasekv.data.formats`)."""
+              progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS, chat: bool = False,
+              reference: Adapter | None = None) -> dict[str, Any]:
+    """Audit `adapter` (a transformers model, or an `EndpointAdapter`) under each condition; publish OUT atomically.
+    `chat`: wrap the prompts in the tokenizer's chat template (`phasekv.data.formats`); `reference`: the served
+    model's weights in process (needs an endpoint `adapter`), compared prompt by prompt."""
+    from phasekv.evaluate.endpoint import EndpointAdapter
+
+    if reference is not None and not isinstance(adapter, EndpointAdapter):
+        raise ValueError("--reference-hf: compares a served model with its weights in process: needs --endpoint")
     if "none" not in conditions:
         conditions = ("none", *conditions)  # the capability gate always runs first
     conditions = ("none", *[c for c in conditions if c != "none"])
@@ -121,6 +131,11 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
             if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
                 log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
                 break
+        if reference is not None:
+            from phasekv.evaluate.compare import compare
+
+            comparison = {p: compare(adapter, reference, s, batch_size) for p, s in sets.items()}
+            (tmp / "comparison.json").write_text(json.dumps(comparison, indent=2, sort_keys=True) + "\n")
         summary = {
             "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
             "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
@@ -130,6 +145,8 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
                              vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids)},
             "elapsed_s": round(time.perf_counter() - started, 1),
         }
+        if reference is not None:
+            summary["comparison"] = comparison
         check_finite(summary)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_audit_report(summary, tmp)
@@ -143,6 +160,27 @@ def _clusters(per_phase: int, record: int, protocol: str, stride: int) -> int:
     g = math.gcd(record + (1 if protocol == "insequence" else 0), stride)
     clusters = math.ceil(per_phase / (stride // g))
     return math.ceil(clusters / g) * g
+
+
+_TITLES = {"query": "query protocol, by source phase (target position mod S)"}
+
+
+def _query_section(conditions: dict[str, Any], out: Path) -> list[str]:
+    """The query protocol's query-phase table and one source x query phase heatmap per condition."""
+    parts = ["<h2>query protocol: the query phase (prompt length mod S)</h2><p class='note'>The target records keep "
+             "their positions and fillers after them make the prompt one token longer per shift, so every query "
+             "phase (query position mod S) holds the same examples at the same target positions: the query-phase "
+             "curve gets the same three-part verdict as the source phase. The distance from target to query grows "
+             "with the shift (a trend, not a period). Its source-phase groups hold different (example, target) "
+             "pairs, each at every shift, so the pair is their unit of resampling and permutation; the padding "
+             "protocols, which show every example at every source phase, remain the test of the source phase.</p>",
+             query_phase_table({n: r["query"] for n, r in conditions.items()})]
+    for name, result in conditions.items():
+        path = plot_cross_phase_heatmap(result["query"]["cross"], out / "figures" / f"cross_{_safe(name)}.png",
+                                        title=f"{name}: accuracy [%] by source x query phase")
+        parts.append(_img(path, f"{name}: top-1 accuracy by source phase (rows) and query phase (columns), with the "
+                                "margins; cell text: accuracy and prompts."))
+    return parts
 
 
 def _safe(condition: str) -> str:
@@ -165,8 +203,10 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
         parts.append(f"<p class='no'>{html.escape(conditions['none'][first]['verdict'])} with this format: "
                      "no compressed condition was evaluated.</p>")
     for protocol in summary["settings"]["protocols"]:
-        parts.append(f"<h2>{protocol} padding</h2><table><tr><th>condition</th><th>mean %</th>"
-                     "<th>in-context chance %</th><th>format chance %</th>"
+        if protocol == "query":
+            parts += _query_section(conditions, out)
+        parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2><table><tr><th>condition</th>"
+                     "<th>mean %</th><th>in-context chance %</th><th>format chance %</th>"
                      "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
         for name, result in conditions.items():
             m = result[protocol]
@@ -180,6 +220,11 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                                    out / "figures" / f"phases_{protocol}.png",
                                    title=f"Accuracy by target position mod S, {protocol} padding")
         parts.append(_img(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+    if summary.get("comparison"):
+        parts += ["<h2>Engine vs reference</h2><p class='note'>The same prompts through the served model and through "
+                  "transformers on the same weights: agreement of the greedy next tokens (Wilson 95% intervals) and "
+                  "the engine's minus the reference's log-probability of the engine's token.</p>",
+                  comparison_table(summary["comparison"])]
     parts.append(f"<p class='note'>phasekv audit, {summary['elapsed_s']:.0f} s; settings: "
                  f"{html.escape(str(summary['settings']))}.</p></body></html>")
     path = out / "report.html"

@@ -266,3 +266,42 @@ def _fixes(rows: list[dict[str, Any]]) -> list[str]:
 def _insequence_gaps(row: dict[str, Any]) -> str:
     ins = row.get("insequence")
     return "-" if not ins else f"{ins['max_gap_pp']:.1f} / {ins['baseline_max_gap_pp']:.1f}"
+
+
+def query_phase_table(conditions: dict[str, dict[str, Any]]) -> str:
+    """The query protocol's query-phase statistics, one row per condition (name -> the query protocol's metrics,
+    with `query_phase` and `cross`): mean, worst query phase, gap, its selection-free interval, period, flatness p,
+    the worst relative phase and the verdict (the same three-part rule as the source phase's)."""
+    head = ("<tr><th>condition</th><th>mean %</th><th>worst query phase %</th><th>query-phase gap pp</th>"
+            "<th>gap 95% CI (cross-fit)</th><th>period</th><th>flatness p</th><th>worst relative phase %</th>"
+            "<th>verdict (query phase)</th></tr>")
+    rows = []
+    for name, m in conditions.items():
+        q = m["query_phase"]
+        ci = q.get("gap_crossfit_ci_pp")
+        worst_relative = min(r["accuracy"] for r in m["cross"]["per_relative_phase"] if r["accuracy"] is not None)
+        rows.append(f"<tr><td>{html.escape(name)}</td><td>{_pct(q['mean_accuracy'])}</td>"
+                    f"<td>{_pct(min(r['accuracy'] for r in q['per_phase']))}</td><td>{q['max_gap_pp']:.1f}</td>"
+                    f"<td>{'n/a' if ci is None else f'[{ci[0]:.1f}, {ci[1]:.1f}]'}</td>"
+                    f"<td>{q['detected_period']}</td><td>{q['flatness_p']:.3g}</td><td>{_pct(worst_relative)}</td>"
+                    f"<td>{html.escape(q['verdict'])}</td></tr>")
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def comparison_table(comparison: dict[str, dict[str, Any]]) -> str:
+    """Engine vs reference (`phasekv.evaluate.compare`, protocol -> comparison): per protocol the overall, per
+    source phase and per query phase agreement of the greedy tokens with Wilson 95% intervals, both accuracies,
+    and the mean and largest absolute log-probability difference of the engine's token."""
+    head = ("<tr><th>protocol</th><th>group</th><th>prompts</th><th>agreement %</th><th>95% CI</th>"
+            "<th>engine / reference accuracy %</th><th>mean |d log p|</th><th>max |d log p|</th></tr>")
+    rows = []
+    for protocol, c in comparison.items():
+        groups = [("all", c["overall"])] + [(f"source phase {g['phase']}", g) for g in c["per_phase"]]
+        groups += [(f"query phase {g['query_phase']}", g) for g in c["per_query_phase"]]
+        for label, g in groups:
+            dlogp = ["n/a" if g[k] is None else f"{g[k]:.3f}" for k in ("mean_abs_dlogp", "max_abs_dlogp")]
+            rows.append(f"<tr><td>{html.escape(protocol)}</td><td>{label}</td><td>{g['n']}</td>"
+                        f"<td>{_pct(g['agreement'])}</td><td>[{_pct(g['ci_low'])}, {_pct(g['ci_high'])}]</td>"
+                        f"<td>{_pct(g['engine_accuracy'])} / {_pct(g['reference_accuracy'])}</td>"
+                        f"<td>{dlogp[0]}</td><td>{dlogp[1]}</td></tr>")
+    return f"<table>{head}{''.join(rows)}</table>"

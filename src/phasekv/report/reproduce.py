@@ -160,6 +160,19 @@ class _NoBar:
         pass
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux the kernel sends the worker SIGTERM when the parent process dies, so a killed
+    `reproduce` (SIGTERM, SIGKILL) leaves no orphaned analyses running (the pool's own shutdown needs the parent
+    alive)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 def _analyse_in_worker(args: tuple) -> dict[str, Any]:
     torch.set_num_threads(1)
     return analyse_model(*args, bar=_NoBar())
@@ -291,7 +304,8 @@ def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int,
         # one model per worker process with one thread each (small models use 2 cores better this
         # way); the theory model runs beside them
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx,
+                                                    initializer=_die_with_parent) as pool:
             # the theory first: submitted last, it ran alone at the end while the other worker idled
             futures = {pool.submit(_theory_in_worker, out / "theory", seed, quick): ("theory", "theory")}
             futures.update({pool.submit(_analyse_in_worker, args): ("model", name) for name, args in tasks.items()})
