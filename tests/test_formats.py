@@ -178,3 +178,24 @@ def test_needle_prompts_are_token_exact_with_the_real_smollm2_tokenizer(chat):
         eval_set = build_eval_set(vocab, protocol, n_records=16, n_demos=2, stride=8, residue_modulus=8,
                                   key_tokens=8, value_tokens=4, local_window=16, n_clusters=4, seed=0)
         assert all(vocab.retokenization_agreement(p.ids) == 1.0 for p in eval_set.prompts()[::9])
+
+
+def test_a_word_level_tokenizer_without_an_unknown_token_is_one_line():
+    """A phasekv checkpoint's word-level tokenizer cannot render prose formats: one ValueError naming the format and
+    the word (tokenizers raises a bare Exception); the same tokenizer with an unknown token renders it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    def word_level(unk: bool):
+        vocab = {"[UNK]": 0, "a": 1, "b": 2} if unk else {"a": 1, "b": 2}
+        inner = Tokenizer(WordLevel(vocab, unk_token="[UNK]" if unk else None))
+        inner.pre_tokenizer = WhitespaceSplit()
+        return PreTrainedTokenizerFast(tokenizer_object=inner)
+
+    with pytest.raises(ValueError, match=r"format records: the tokenizer cannot encode .*phasekv eval"):
+        FormatVocabulary(FORMATS["records"], word_level(unk=False))
+    with pytest.raises(ValueError) as caught:  # with [UNK] it encodes, then fails later for another reason
+        FormatVocabulary(FORMATS["records"], word_level(unk=True))
+    assert "cannot encode" not in str(caught.value)

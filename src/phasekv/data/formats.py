@@ -216,7 +216,12 @@ class FormatVocabulary:
         self.format, self.tokenizer = fmt, tokenizer
 
         def encode(text: str) -> tuple[int, ...]:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
+            try:
+                return tuple(tokenizer.encode(text, add_special_tokens=False))
+            except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for unknown words
+                raise ValueError(f"format {fmt.name}: the tokenizer cannot encode {text!r} ({exc}); a word-level "
+                                 f"tokenizer without an unknown token (e.g. a phasekv checkpoint's) renders no prose "
+                                 f"format: evaluate it with `phasekv eval`") from None
 
         keys = _modal({w: encode(fmt.key_text.format(key=w)) for w in _kind_texts(fmt.keys)})
         values = _modal({v: encode(fmt.value_text.format(value=v)) for v in _kind_texts(fmt.values)}, by_first=True)
