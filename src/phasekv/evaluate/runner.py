@@ -87,6 +87,7 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
                     cache = adapter.prefill(ids, prefix=prefix) if prefix else adapter.prefill(ids)
                     qids = torch.tensor([list(q.key) for i in chunk for q in contexts[i].queries])
                     top = _top1(adapter.continue_from(cache, qids, n_q))
+                    del cache  # freed before the next prefill: one batch of caches in memory at a time
                     for j, i in enumerate(chunk):
                         by_context[i] = top[j * n_q:(j + 1) * n_q]
                     bar.update(len(qids))
