@@ -5,8 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from phasekv.config import ModelConfig
+from phasekv.evaluate.adapter import Adapter
 from tests import toy_compressor  # noqa: F401  (registers "toy_mean": a compressor defined outside the package)
 
 # the real SmolLM2 model, when `make real-model` has fetched it (tests that need it are skipped otherwise)
@@ -108,3 +110,27 @@ def tiny_causal_lm(family: str, vocab: int, max_positions: int, attention: str):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     model.config._attn_implementation = attention
     return model.float()
+
+
+
+class PromptAdapter(Adapter):
+    """An in-process test adapter whose "cache" is the prompt ids themselves, so `continue_from` re-runs `logits` on
+    each whole prompt; `logits` puts 1.0 at `answer(prompt)` at the last position (a subclass defines `answer`, or
+    overrides `logits`)."""
+
+    module, device = None, torch.device("cpu")
+
+    def answer(self, prompt: list[int]) -> int:
+        raise NotImplementedError
+
+    def logits(self, ids):
+        out = torch.zeros(ids.shape[0], ids.shape[1], self.info.vocab_size)
+        for b, row in enumerate(ids.tolist()):
+            out[b, -1, self.answer(row)] = 1.0
+        return out
+
+    def prefill(self, ids):
+        return ids
+
+    def continue_from(self, cache, ids, repeats):
+        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))

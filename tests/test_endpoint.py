@@ -13,11 +13,11 @@ import httpx
 import pytest
 import torch
 
-from phasekv.evaluate.adapter import Adapter, ModelInfo
+from phasekv.evaluate.adapter import ModelInfo
 from phasekv.evaluate.endpoint import APIS, EndpointAdapter, EndpointError, Journal, prompt_key
 from phasekv.evaluate.runner import predict
 from tests.engine import CountingProxy, engine_present, llama_server
-from tests.helpers import SMOL, SMOL_FILE, needs_real
+from tests.helpers import SMOL, SMOL_FILE, PromptAdapter, needs_real
 
 V = 256  # the fake engine's vocabulary
 
@@ -256,10 +256,8 @@ def test_the_journal_survives_a_kill_and_resumes_only_with_the_same_settings(tmp
     assert Journal(path, settings, fresh=True).resumed == 0 and len(path.read_text().splitlines()) == 1
 
 
-class Reference(Adapter):
+class Reference(PromptAdapter):
     """An in-process stand-in that agrees with FakeEngine except on prompts whose target lies at phase 0."""
-
-    module, device = None, torch.device("cpu")
 
     def __init__(self, eval_set):
         self.info = ModelInfo("reference", V, 1, 1, 1, 1, 1 << 20, None, None)
@@ -271,12 +269,6 @@ class Reference(Adapter):
             t = FakeEngine.next_token(prompt)
             out[row, 0, (t + 1) % V if self.phase[tuple(prompt)] == 0 else t] = 5.0
         return out
-
-    def prefill(self, ids):
-        return ids
-
-    def continue_from(self, cache, ids, repeats):
-        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], 1))
 
 
 def test_engine_vs_reference_agreement_is_reported_per_phase():
@@ -298,10 +290,8 @@ def test_engine_vs_reference_agreement_is_reported_per_phase():
     assert engine.posts == n
 
 
-class QueryPhaseReference(Adapter):
+class QueryPhaseReference(PromptAdapter):
     """Agrees with FakeEngine except on prompts whose query position (the last prompt token) is = 1 mod 4."""
-
-    module, device = None, torch.device("cpu")
 
     def __init__(self, vocab_size):
         self.info = ModelInfo("reference", vocab_size, 1, 1, 1, 1, 1 << 20, None, None)
@@ -311,12 +301,6 @@ class QueryPhaseReference(Adapter):
         for row, prompt in enumerate(ids.tolist()):
             out[row, 0, FakeEngine.next_token(prompt) + ((len(prompt) - 1) % 4 == 1)] = 5.0
         return out
-
-    def prefill(self, ids):
-        return ids
-
-    def continue_from(self, cache, ids, repeats):
-        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], 1))
 
 
 def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):

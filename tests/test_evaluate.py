@@ -9,13 +9,14 @@ import torch
 from phasekv import ModelConfig, build_model
 from phasekv.cli import main
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import Adapter, ModelInfo, PhaseKVAdapter
+from phasekv.evaluate.adapter import ModelInfo, PhaseKVAdapter
 from phasekv.evaluate.runner import evaluate, predict
+from tests.helpers import PromptAdapter
 
 VOCAB = Vocabulary()
 
 
-class Oracle(Adapter):
+class Oracle(PromptAdapter):
     """Answers by looking the key up in the prompt; wrong when the record's phase is in `fail`, or
     (phase-blind) wrong with probability `p_wrong` decided by a hash of the prompt."""
 
@@ -23,7 +24,7 @@ class Oracle(Adapter):
         self.info = ModelInfo("oracle", VOCAB.size, 1, 1, 1, 1, 10_000, stride, 16)
         self.fail, self.p_wrong = set(fail), p_wrong
 
-    def _answer(self, row: list[int]) -> int:
+    def answer(self, row: list[int]) -> int:
         key = row[-1]
         pos = row.index(key)  # the record is the key's first occurrence
         value = row[pos + 1]
@@ -31,18 +32,6 @@ class Oracle(Adapter):
         if self.p_wrong:
             wrong = (hash(tuple(row)) % 1000) / 1000 < self.p_wrong
         return VOCAB.group("values")[0] if wrong and value != VOCAB.group("values")[0] else value + wrong
-
-    def logits(self, ids):
-        out = torch.zeros(ids.shape[0], ids.shape[1], VOCAB.size)
-        for b, row in enumerate(ids.tolist()):
-            out[b, -1, self._answer(row)] = 1.0
-        return out
-
-    def prefill(self, ids):
-        return ids
-
-    def continue_from(self, cache, ids, repeats):
-        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))
 
 
 def small_set(protocol="prefix", stride=8, **kw):

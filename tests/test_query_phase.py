@@ -11,7 +11,7 @@ import torch
 
 from phasekv import build_model
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import Adapter, ModelInfo, PhaseKVAdapter
+from phasekv.evaluate.adapter import ModelInfo, PhaseKVAdapter
 from phasekv.evaluate.metrics import (
     cross_phase_table,
     pair_period,
@@ -22,37 +22,23 @@ from phasekv.evaluate.metrics import (
 )
 from phasekv.evaluate.runner import evaluate, predict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap
-from tests.helpers import bpe_tokenizer, tiny
+from tests.helpers import PromptAdapter, bpe_tokenizer, tiny
 
 VOCAB = Vocabulary()
 
 
-class LookupOracle(Adapter):
+class LookupOracle(PromptAdapter):
     """Copies the value after the first occurrence of the prompt's final `key_tokens` tokens (the target record);
     wrong (the next token id) where `wrong(prompt)` says so."""
-
-    module, device = None, torch.device("cpu")
 
     def __init__(self, vocab_size: int, key_tokens: int = 1, wrong=lambda prompt: False):
         self.info = ModelInfo("oracle", vocab_size, 1, 1, 1, 1, 100_000, None, None)
         self.key_tokens, self.wrong = key_tokens, wrong
 
-    def _answer(self, row: list[int]) -> int:
+    def answer(self, row: list[int]) -> int:
         key, k = row[-self.key_tokens:], self.key_tokens
         start = next(i for i in range(len(row) - k) if row[i:i + k] == key)
         return row[start + k] + bool(self.wrong(row))
-
-    def logits(self, ids):
-        out = torch.zeros(ids.shape[0], ids.shape[1], self.info.vocab_size)
-        for b, row in enumerate(ids.tolist()):
-            out[b, -1, self._answer(row)] = 1.0
-        return out
-
-    def prefill(self, ids):
-        return ids
-
-    def continue_from(self, cache, ids, repeats):
-        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))
 
 
 def query_set(**kw):
