@@ -225,3 +225,13 @@ def test_archs_imports_nothing_of_phasekv_but_itself():
     for module in modules:
         outside = {t for t in graph[module] if not (t == "phasekv.archs" or t.startswith("phasekv.archs."))}
         assert not outside, f"{module} imports {outside}"
+
+
+def test_a_v32_indexer_narrower_than_its_rotary_dims_is_refused_in_one_line():
+    fields = {**ARCH_MATRIX["deepseek_v32"].fields}
+    fields["index_head_dim"] = fields["qk_rope_head_dim"] - 1  # transformers builds it and fails in the first forward
+    with pytest.raises(ValueError, match=r"^model.index_head_dim: must be >= qk_rope_head_dim=8 .*got 7$"):
+        families.build(TransformersModelConfig("deepseek_v32", fields))
+    model = families.build(TransformersModelConfig("deepseek_v32", {**fields, "index_head_dim": 8})).eval()
+    with torch.no_grad():  # equal widths (no plain indexer dims) run
+        assert torch.isfinite(model(ids_for(0)).logits).all()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phasekv.archs import geometry_of
+from phasekv.archs import architecture_of, geometry_of
 from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in evaluate/presses.py)
 from phasekv.config import ModelConfig, TransformersModelConfig
 from phasekv.indexer import indexers_of
@@ -48,6 +48,7 @@ def _build(config: Any) -> nn.Module:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     hf = config.to_hf() if isinstance(config, TransformersModelConfig) else config
+    architecture_of(hf).check_config(hf)
     model = AutoModelForCausalLM.from_config(hf) if type(hf) in MODEL_FOR_CAUSAL_LM_MAPPING else TextCausalLM(hf)
     if indexers_of(model):
         model.set_attn_implementation("eager")

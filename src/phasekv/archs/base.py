@@ -138,6 +138,10 @@ class Architecture:
         types = {getattr(config, "model_type", None), getattr(text_config(config), "model_type", None)}
         return bool(types & set(self.model_types))
 
+    def check_config(self, config: Any) -> None:
+        """Raise a one-line ValueError for a (text) config that transformers would accept but fail on deep inside
+        the first forward; the default has nothing to check."""
+
     def geometry(self, config: Any) -> CompressionGeometry | None:
         """The chunked compression the (text) config describes; None: no phase grid."""
         return None

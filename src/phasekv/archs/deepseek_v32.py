@@ -9,10 +9,12 @@ selection in tests/test_realarch.py) for the KL distillation of `phasekv.indexer
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from phasekv.archs.base import Architecture, IndexerKind, argument, register, selected_mask
+from phasekv.archs.base import Architecture, IndexerKind, argument, register, selected_mask, text_config
 
 
 def scores(indexer, hidden: torch.Tensor, q_resid: torch.Tensor, cos_sin) -> torch.Tensor:
@@ -44,6 +46,13 @@ def _record(indexer, args, kwargs, output, _scores):
 class DeepseekV32(Architecture):
     name = "deepseek_v32"
     model_types = ("deepseek_v32",)
+
+    def check_config(self, config: Any) -> None:
+        # the indexer splits each of its heads into qk_rope_head_dim rotary and the remaining plain dims
+        text = text_config(config)
+        if text.index_head_dim < text.qk_rope_head_dim:
+            raise ValueError(f"model.index_head_dim: must be >= qk_rope_head_dim={text.qk_rope_head_dim} (the indexer "
+                             f"rotates that many of its dims), got {text.index_head_dim}")
 
     def indexer_kinds(self) -> list[IndexerKind]:
         from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
