@@ -123,6 +123,22 @@ def test_orderings_use_the_difference_interval():
     assert status(other_size, "gap(W8/S4) < gap(W8/S8)") == "not measured"  # different KV heads: not compared
 
 
+def test_token_level_selection_is_judged_flat_under_its_own_name_and_never_paired_across_architectures():
+    def hf(arch, kv, mean, gap=1.0, token_selection=False):
+        return {**full(kv=kv, mean=mean, gap=gap), "family": "transformers", "architecture": arch,
+                "token_selection": token_selection}
+
+    found = findings({"qwen3": hf("Qwen3ForCausalLM", 1, 0.9), "v32": hf("DeepseekV32ForCausalLM", 8, 0.99, 2.0, True),
+                      "v32-bumpy": hf("DeepseekV32ForCausalLM", 8, 0.9, 15.0, True),
+                      "qwen3-8kv": hf("Qwen3ForCausalLM", 8, 0.5)})
+    assert status(found, "v32: token-level top-k attention is flat") == "holds"
+    assert status(found, "v32-bumpy: token-level top-k attention is flat") == "fails"
+    assert status(found, "qwen3: full attention is flat") == "holds"
+    pairs = [f["claim"] for f in found if f["claim"].startswith("mean(full")]
+    assert pairs == ["mean(full, 8 KV) > mean(full, 1 KV) (qwen3-8kv vs qwen3)"]  # same architecture only
+    assert status(found, "mean(full, 8 KV) > mean(full, 1 KV)") == "fails"  # 50% < 90%: it must say no
+
+
 def test_coverage_grows_with_heads():
     def covering(k, kv):
         return model(kv=kv, phases=[0.9] * k + [0.05] * (8 - k))

@@ -18,6 +18,8 @@ The claims (thresholds are the paper's numbers or phasekv's stated verdict const
 * full attention learns the task (mean above the capability gate: 2 x the in-context chance; the paper's
   baselines reach 18.8% at 1 KV head and 61.1% at 8) and is flat (selection-free gap below 6.1 pp, the paper's
   largest full-attention gap; inconclusive for a model that cannot do the task: flatness near a copier is empty);
+  a model with token-level top-k selection (DeepSeek-V3.2's DSA: no window grid) is held to the same two claims,
+  named "token-level top-k attention is flat", and is never paired with full attention in the KV-head ordering;
 * every compressed model is phase sensitive with period S (the three-part verdict of `metrics.task_verdict`
   and detected period = S); uniform averaging is still phase sensitive (gap lower bound >= 10 pp; paper 19.2);
 * the W8/S8 shape: worst phase below 20% (paper 5.7% at 1 KV, 9.9% at 8), at least 3 phases above 40% (the
@@ -91,14 +93,16 @@ def _finding(claim: str, paper: str, rule: str, measured: str, status: str, valu
 
 
 def family(m: dict[str, Any]) -> tuple:
-    """What two models must share to be compared: model family (phasekv or transformers), KV heads, layers, width."""
-    return m.get("family", "phasekv"), m["kv_heads"], m["layers"], m["hidden"]
+    """What two models must share to be compared: model family (phasekv or transformers; a transformers model also
+    its architecture: Qwen3 and DeepSeek-V3.2 are different networks), KV heads, layers, width."""
+    fam = m.get("family", "phasekv")
+    return fam, m.get("architecture") if fam == "transformers" else None, m["kv_heads"], m["layers"], m["hidden"]
 
 
 def _without_kv(m: dict[str, Any]) -> tuple:
     """`family` except the KV heads (full-attention models compared across KV heads)."""
-    fam, _, layers, hidden = family(m)
-    return fam, layers, hidden
+    fam, arch, _, layers, hidden = family(m)
+    return fam, arch, layers, hidden
 
 
 def kind(m: dict[str, Any]) -> str:
@@ -150,10 +154,10 @@ def learns(name: str, p: dict[str, Any], paper: str) -> dict[str, Any]:
                     f"mean {value:.1f}% {_ci(ci)}", judge(ci, gate), value, ci, gate)
 
 
-def flat(name: str, p: dict[str, Any]) -> dict[str, Any]:
+def flat(name: str, p: dict[str, Any], what: str = "full attention") -> dict[str, Any]:
     value, ci = _gap(p)
     why = _unable(p)
-    return _finding(f"{name}: full attention is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
+    return _finding(f"{name}: {what} is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
                     "4.3 at 8 KV)", f"selection-free gap's 95% interval below {FULL_FLAT_PP} pp, for a model that "
                     "can do the task", f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
                     "inconclusive" if why else judge(ci, FULL_FLAT_PP, above=False), value, ci, FULL_FLAT_PP, why)
@@ -267,8 +271,9 @@ def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for name, m in models.items():
         p = m["prefix"]
-        if m["compressor"] == "none":
-            out += [learns(name, p, "full attention 18.8% (1 KV), 61.1% (8 KV)"), flat(name, p)]
+        if m["compressor"] == "none":  # full attention, or token-level top-k selection (DeepSeek-V3.2's DSA)
+            what = "token-level top-k attention" if m.get("token_selection") else "full attention"
+            out += [learns(name, p, "full attention 18.8% (1 KV), 61.1% (8 KV)"), flat(name, p, what)]
         elif m.get("family") == "transformers":  # the code users ship: does it show the paper's effect?
             out.append(_transformers_claim(name, m))
         else:
@@ -315,7 +320,7 @@ def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
                      is_kind("W8/S8"))
     out += _ordering(models, "mean(W8/S8 uniform) < mean(W8/S8 learned gates)", "12.5% < 50.6% (1 KV)", "mean",
                      is_kind("W8/S8 uniform"), is_kind("W8/S8"))
-    full = [(n, m) for n, m in models.items() if m["compressor"] == "none"]
+    full = [(n, m) for n, m in models.items() if m["compressor"] == "none" and not m.get("token_selection")]
     pairs = [(a, b) for a, ma in full for b, mb in full
              if ma["kv_heads"] < mb["kv_heads"] and _without_kv(ma) == _without_kv(mb)]
     text, paper = "mean(full, more KV heads) > mean(full, fewer KV heads)", "61.1% (8 KV) > 18.8% (1 KV)"

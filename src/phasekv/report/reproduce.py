@@ -37,6 +37,7 @@ from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
 from phasekv.families import family_name
+from phasekv.indexer import indexers_of
 from phasekv.outputs import output_dir
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
@@ -53,8 +54,8 @@ PROBE_CLUSTERS = 8
 GRADED_CYCLING_CLUSTERS = 24  # gate cycling of a transformers architecture's compressors: 6,912 prompts
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger", "full-4kv",
            "full-8kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
-           "dsv4-hca", "dsv4-csa", "qwen3-full"]  # the last three: transformers' own DeepSeek-V4 (HCA layers, CSA
-# layers with the lightning indexer) and Qwen3
+           "dsv4-hca", "dsv4-csa", "qwen3-full", "dsv32-dsa"]  # the last four: transformers' own DeepSeek-V4 (HCA
+# layers, CSA layers with the lightning indexer), Qwen3 and DeepSeek-V3.2 (token-level top-k DSA)
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
@@ -128,6 +129,7 @@ def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         "shared_payload": (bool(compressors) and not any(c.offset_payload_maps() for c in compressors)
                            or any(g.shared_payload for g in architecture_of(model).gate_layers(model))),
         "staggered": any(c.offset for c in compressors),
+        "token_selection": geometry is None and not compressors and bool(indexers_of(model)),  # top-k single tokens
         "kv_heads": info.num_key_value_heads, "layers": info.num_hidden_layers, "hidden": info.hidden_size,
         "val_loss": vals[-1]["val_loss"] if vals else None,
         "val_lookup_acc": vals[-1]["val_lookup_acc"] if vals else None,
