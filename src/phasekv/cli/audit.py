@@ -13,6 +13,7 @@ from typing import Any
 
 from phasekv.cli.evaluate import add_endpoint_arguments, open_endpoint_from_args
 from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS
+from phasekv.data.formats import FORMATS
 
 HF_CONDITIONS = ("none", "select:3+keep-first:1", "mean+keep-first:1")
 
@@ -24,8 +25,7 @@ def add_parser(sub) -> None:
     add_endpoint_arguments(p, source)
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
                                        "extra: make real-model)")
-    p.add_argument("--format", default="records", help="prompt format: records, records-names, needle, bare, or a "
-                                                       "YAML file")
+    p.add_argument("--format", default="records", help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
     p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
     p.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
                    help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the prompt "

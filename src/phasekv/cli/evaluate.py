@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.config import EVAL_PROTOCOLS
+from phasekv.data.formats import FORMATS
 
 # flag -> EvalConfig field, for the flags that describe the prompt set and the run
 _EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
@@ -98,8 +99,8 @@ def add_prompt_set_arguments(p) -> None:
     p.add_argument("--local-window", type=int, default=quiet, help="targets lie outside this many final tokens "
                                                                    "(HF default 16)")
     p.add_argument("--seed", type=int, default=quiet)
-    p.add_argument("--format", default=quiet, help="HF models: prompt format (records, records-names, needle, bare or "
-                                                   "a YAML file); default: bare single-token words")
+    p.add_argument("--format", default=quiet, help=f"HF models: prompt format ({', '.join(FORMATS)} or a YAML "
+                                                   "file); default: bare single-token words")
     p.add_argument("--chat", action="store_true", default=quiet, help="HF models: wrap the --format prompts in the "
                                                                       "tokenizer's chat template")
 
