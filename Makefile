@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 lint: $(STAMP)
-	@$(VENV)/bin/ruff check src tests benchmarks
+	@$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test: lint
 	@$(VENV)/bin/pytest tests

@@ -19,6 +19,7 @@ SWEEP = {"full-1kv", "full-8kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8
 # that gives the cpu scale enough compressor heads for graded curves (plus the one-token-overlap fix, W9/S8)
 CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
              "dsv4-hca", "dsv4-csa", "dsv32-dsa", "qwen3-full", "glm5-kpool", "glm5-kpool-dsa",  # transformers family
+             "glm5-kpool-induction",  # issue 26: GLM-5.3 under the token-attention recipe
              "w8s8-4kv-jitter",  # issue 15: random window offset per training step
              "w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer"}  # issue 15: staggered KV heads (and layers)
 
