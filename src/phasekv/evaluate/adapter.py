@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from phasekv.archs import architecture_of
+from phasekv.archs.base import text_config
 from phasekv.cache import KVCache
 from phasekv.families import GIB, available_memory, compression_geometry
 from phasekv.model import PhaseKVForCausalLM
@@ -178,7 +179,7 @@ def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: b
     `length` tokens: the K/V of every layer (the cache a prefill keeps), one layer's activations at a time
     (hidden states, queries, the grouped K/V repeated per query head, the MLP's three intermediate tensors) and,
     for eager attention, its (heads, T, T) float32 scores and probabilities; the last position's logits."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     heads, hidden = text.num_attention_heads, text.hidden_size
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
@@ -196,7 +197,7 @@ class HFAdapter(Adapter):
 
     def __init__(self, model: nn.Module, name: str, stride: int | None = None, local_window: int | None = None):
         cfg = model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(cfg)
         heads = text.num_attention_heads
         self.module, self.device = model.eval(), next(model.parameters()).device
         self.info = ModelInfo(name, text.vocab_size, text.num_hidden_layers, heads,

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from phasekv.archs import architecture_of, geometry_of
+from phasekv.archs.base import text_config
 from phasekv.checkpoint import resolve
 from phasekv.compression import compressors_of
 from phasekv.config import PROTOCOLS, Experiment
@@ -114,7 +115,7 @@ def cache_bytes_per_token(model: torch.nn.Module, tokens: int = 504) -> float | 
 def _model_facts(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Geometry read from the model's own compressors (any family) and the run's last validation."""
     compressors = [c for _, c in compressors_of(model)]
-    info = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    info = text_config(model.config)
     rows = read_metrics(path)
     vals = [r for r in rows if "val_loss" in r]
     geometry = geometry_of(model)  # a transformers model's own compression, read from its config by its architecture
