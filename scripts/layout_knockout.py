@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from phasekv import families, load_checkpoint
-from phasekv.archs import architecture_of
 from phasekv.archs.base import text_config
 from phasekv.checkpoint import read_experiment
 from phasekv.config import Experiment
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
+from phasekv.evaluate.adapter import adapter_for
+from phasekv.probes.hooks import output_projection
 
 FIRST_HELD_OUT = 10_000_000  # stream index of the first sequence drawn: past every training example of the presets
 
@@ -58,19 +59,24 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--seed", type=int, default=123, help="training-stream seed (not the model's: held out)")
     args = parser.parse_args()
+    if args.sequences < 1:
+        parser.error(f"--sequences: must be >= 1, got {args.sequences}")
     torch.set_num_threads(1)
-    model = load_checkpoint(args.checkpoint)[0].eval()
-    exp = Experiment.from_tree(read_experiment(args.checkpoint))
+    try:
+        model = load_checkpoint(args.checkpoint)[0].eval()
+        exp = Experiment.from_tree(read_experiment(args.checkpoint))
+    except (OSError, ValueError) as error:
+        parser.exit(2, f"layout_knockout: {error}\n")
     ids, labels, first, repeated = sequences(exp, args.sequences, args.seed)
-    arch = architecture_of(model)
-    layers = [layer.self_attn for layer in families.unwrap(model).model.layers]
+    adapter = adapter_for(model, args.checkpoint)
+    layers = adapter.attention_layers()
     config = text_config(model.config)
     heads = [getattr(attn, "num_heads", None) or config.num_attention_heads for attn in layers]
 
     def measure(tag: str, layer: int | None = None, knocked: list[int] = ()) -> None:
         handle = None
         if layer is not None:
-            projection = arch.output_projection(layers[layer])
+            projection = output_projection(adapter, layers[layer])
             width = projection.in_features // heads[layer]
 
             def zero(module, inputs):

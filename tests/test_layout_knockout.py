@@ -41,3 +41,11 @@ def test_a_whole_layer_knockout_removes_the_lookup_and_no_knockout_keeps_it():
     assert len(rows) == 1 + 2 * (1 + 8)  # clean, then per layer: whole and its 8 heads
     torch.testing.assert_close(torch.tensor(rows["layer 1 head 0"]), torch.tensor(rows["nothing knocked out"]),
                                atol=5.0, rtol=0)  # one redundant head of layer 1 costs little
+
+
+def test_a_missing_checkpoint_or_no_sequences_is_one_line(tmp_path):
+    for argv, why in (([str(tmp_path / "nothing")], "no such file or directory"),
+                      ([str(CHECKPOINT), "--sequences", "0"], "--sequences: must be >= 1, got 0")):
+        done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1].endswith(why)  # argparse's usage line may precede it
