@@ -84,7 +84,25 @@ def _tail(logfile) -> str:
     return " | ".join(logfile.read().strip().splitlines()[-5:])
 
 
-class CountingProxy:
+class LoopbackServer:
+    """A stdlib HTTP server on a free loopback port (`url`), serving its request handler on a thread while the
+    `with` block runs; subclasses build the handler and call `_serve(handler)`."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class CountingProxy(LoopbackServer):
     """A loopback HTTP proxy to `target` that counts the prompts of the POSTs it forwards, by their journal key
     (`phasekv.evaluate.endpoint.prompt_key` of the body's "prompt" or "input_ids")."""
 
@@ -123,15 +141,8 @@ class CountingProxy:
             def log_message(self, *args):  # quiet
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> CountingProxy:
-        self._thread.start()
-        return self
+        self._serve(Handler)
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__exit__(*exc)
         self._client.close()

@@ -15,7 +15,7 @@ import http.client
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,7 +23,7 @@ import pytest
 
 from phasekv.cli import main
 from phasekv.evaluate.endpoint import journal_path, prompt_key
-from tests.engine import engine_present, llama_server
+from tests.engine import LoopbackServer, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, needs_real
 
 needs_engine = needs_real(engine_present, "llama-server not built (make engine) or real model absent (make real-model)")
@@ -31,7 +31,7 @@ TIMEOUT_S = 3  # --timeout; a "slow" answer comes after SLOW_S
 SLOW_S = TIMEOUT_S + 1.5
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """Forwards to `target`; `faults[n]` is what happens to the n-th POST (1-based); with `down`, every request
     after the first `down` POSTs is dropped (a server that stopped); `props_model` rewrites /props' model_path."""
 
@@ -101,18 +101,7 @@ class FaultProxy:
             def log_message(self, *args):  # quiet
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FaultProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Handler)  # ThreadingHTTPServer's request threads are daemons
 
 
 @pytest.fixture(scope="module")
