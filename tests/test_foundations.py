@@ -118,8 +118,9 @@ def test_no_parameter_name_matching_outside_the_compressors():
         source = path.read_text()
         # phasekv/indexer.py sets transformers' own indexers' `index_topk` (their attribute, found by class, for the
         # dense warm-up) and phasekv/export_gguf.py reads it into llama.cpp's hyper-parameters: not a phasekv
-        # compressor option
-        topk = () if _module_name(path) in ("phasekv.indexer", "phasekv.export_gguf") else ("index_topk",)
+        # compressor option; phasekv/adapters/indexers.py builds a Glm5NextTextIndexer's config, which names it
+        topk = () if _module_name(path) in ("phasekv.indexer", "phasekv.export_gguf", "phasekv.adapters.indexers") \
+            else ("index_topk",)
         for pattern in ('".compressor."', "'_gate'", '"_gate"', '"_gate_bias"', 'getattr(self.compressor', *topk):
             assert pattern not in source, f"{path} contains {pattern}"
 
@@ -294,6 +295,8 @@ TESTED_IN = {
     "cli": "test_fuzz.py",  # every subcommand's bad input; kills in test_reliability.py; each command's own test
     "report": "test_reproduce.py",  # with test_findings.py, test_audit.py and test_report_browser.py
     "demo": None,  # no test yet
+    "adapters": "test_selection.py",  # pooled selection; engine launching in test_endpoint_faults.py
+    "train_indexer": "test_selection.py",  # the distilled indexer beside the selection it serves
 }
 
 

@@ -40,6 +40,11 @@ def add_parser(sub) -> None:
                    help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, snapkv, "
                         "streaming, expected-attention, tova, keydiff, or chunkkv, chunk, block over one of them "
                         "(press=NAME), e.g. chunkkv:press=knorm,ratio=0.5,chunk=8")
+    p.add_argument("--select", action="append", default=[], metavar="kpool:pool=P,top=K,...",
+                   help="query-dependent pooled selection as one more condition (repeatable): every query attends "
+                        "its K best pools of P tokens (or budget=F of its context) plus local=L and sink=N tokens, "
+                        "scored by indexer=oracle|mean|max|distilled:DIR, heads=shared|kv; e.g. "
+                        "kpool:pool=4,budget=0.25,indexer=oracle")
     p.add_argument("--window", type=int, default=8, help="W: tokens per compressed entry")
     p.add_argument("--stride", type=int, default=8, help="S: a window starts every S tokens (phase = position mod S)")
     p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
@@ -93,7 +98,7 @@ def run(args) -> dict[str, Any]:
     from phasekv.report.audit import run_audit
 
     conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
-                  *(f"press:{name}" for name in args.press))
+                  *(f"press:{name}" for name in args.press), *args.select)
     check_flags(args, conditions)
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads:

@@ -35,12 +35,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from phasekv.adapters.selection import SelectionAdapter, is_selection, parse_selection
 from phasekv.config import PROTOCOLS
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.data.protocols import build_eval_set
 from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import task_verdict
 from phasekv.evaluate.runner import predict, write_run
+from phasekv.evaluate.selection import selection_mechanism
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
 from phasekv.outputs import output_dir
 from phasekv.report.html import STYLE, _img, _pct, comparison_table, query_phase_table
@@ -57,7 +59,9 @@ def check_conditions(conditions: tuple[str, ...], window: int, stride: int, loca
 
     check_geometry(window, stride, local_window)
     for condition in conditions:
-        if condition.startswith("press:"):
+        if is_selection(condition):
+            parse_selection(condition)
+        elif condition.startswith("press:"):
             from phasekv.evaluate.presses import check_press
 
             check_press(condition[len("press:"):])
@@ -69,6 +73,8 @@ def condition_adapter(base: Adapter, condition: str, window: int, stride: int, l
     """The adapter that evaluates `base` under one condition (see the module docstring)."""
     if condition == "none":
         return base
+    if is_selection(condition):
+        return SelectionAdapter(base, parse_selection(condition))
     if condition.startswith("press:"):
         from phasekv.evaluate.presses import PressAdapter
 
@@ -125,9 +131,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
             results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p,
                                                batch_size, seed, progress, condition != "none")
                                   for p, s in sets.items()}
-            results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
-            if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
-                results[condition]["kept"] = cond_adapter.kept()
+            results[condition].update(_condition_extras(cond_adapter, sets, progress))
             if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
                 log.warning("the model cannot do the task with format %s; no compressed condition evaluated", fmt)
                 break
@@ -151,6 +155,19 @@ def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "rec
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         write_audit_report(summary, tmp)
     return summary
+
+
+def _condition_extras(cond_adapter: Adapter, sets: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """What a condition records beside its metrics: cache bytes (full vs compressed prefill), a press's share of
+    each phase's positions kept, a selection's attended share and which pools its answering query selected."""
+    extras: dict[str, Any] = {"cache_bytes": getattr(cond_adapter, "bytes", None)}
+    if hasattr(cond_adapter, "kept"):
+        extras["kept"] = cond_adapter.kept()
+    if isinstance(cond_adapter, SelectionAdapter):
+        extras["attended"] = cond_adapter.attended
+        extras["mechanism"] = {p: selection_mechanism(cond_adapter, s, progress=progress)
+                               for p, s in sets.items() if p != "query"}
+    return extras
 
 
 def _clusters(per_phase: int, record: int, protocol: str, stride: int) -> int:

@@ -1,0 +1,395 @@
+"""Query-dependent pooled selection retrofitted onto a transformers model: GLM-5.3's k-pool and MiniMax-M3's
+block selection as an audit condition (docs/science.md, "pooled selection").
+
+Condition grammar (one string): `kpool:pool=P,top=K[,budget=F][,local=L][,sink=N][,heads=shared|kv]
+[,indexer=NAME]`.  Keys are cut into pools of P consecutive positions starting at position 0 (pool j holds
+positions jP .. jP + P - 1, the grid of GLM-5.3's `get_pooled_states` and MiniMax-M3's key blocks).  In every
+layer, each query at position t attends exactly to
+
+  - the keys of the K pools its indexer scores highest among the candidate pools: pools that are complete
+    (their last position <= t) and not wholly inside the local tail or the sink;
+  - the local tail: keys at positions t - L + 1 .. t (it holds the current incomplete pool, which both models
+    always attend; L >= P is required so a pool is either a candidate or local);
+  - the sink: keys at positions 0 .. N - 1 (the first tokens every real model attends).
+
+`budget=F` replaces the fixed K by K(t) = max(1, round(F * (t + 1) / P)): a fraction F of each query's
+context is attended through selection.  `heads=shared` makes one selection per query for all heads (GLM-5.3's
+indexer sums its heads into one score), `heads=kv` one per KV head group (MiniMax-M3).  Phase = position mod P.
+
+Indexers (`phasekv.adapters.indexers`): `oracle` (the pools holding the most dense attention mass of that query:
+the ideal indexer), `mean` (the query against the pool's mean key: a pooled-key indexer), `max` (the pool's
+largest per-key score: MiniMax-M3's max-pooling), `distilled:DIR` (transformers' real `Glm5NextTextIndexer`
+modules on the model's hidden states, trained by `phasekv train-indexer`).
+
+Implementation: an attention function registered in transformers' `AttentionInterface` (`selecting` installs it
+on the model and restores the previous implementation on exit) computes the dense scores once, asks the indexer
+for pool scores, and runs softmax attention over the allowed keys (`selection_mask`).  Key positions come from
+the call: the cached keys occupy 0 .. Tk - Tq - 1 and the new keys sit at the queries' `position_ids`, so a
+plain forward, a shared-prefix prefill and packed queries over a cache are all covered.  The slow reference
+(`reference_attention`) loops over queries, selects pools by sorting, and attends to the gathered keys only;
+tests/test_selection.py compares the two and checks that no query ever selects from its future.
+
+Layout: attention tensors are (B, H, T, D) as in transformers; pool scores are (B, G, Tq, pools) with G = 1
+(shared) or H_kv (kv).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ATTENTION_NAME = "phasekv_selection"
+HEAD_MODES = ("shared", "kv")
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """One selection condition (the module docstring's grammar)."""
+
+    pool: int
+    top: int = 0  # pools selected per query (0: set by `budget`)
+    budget: float = 0.0  # fraction of each query's context attended through selection (0: fixed `top`)
+    local: int = 16
+    sink: int = 1
+    heads: str = "shared"
+    indexer: str = "oracle"
+
+    def __post_init__(self) -> None:
+        if self.pool < 1:
+            raise ValueError(f"kpool: pool={self.pool}: must be >= 1 (1 = token-level selection)")
+        if (self.top > 0) == (self.budget > 0):
+            raise ValueError("kpool: give exactly one of top=K (pools per query, >= 1) or budget=F (0 < F < 1)")
+        if self.top < 0 or not 0 <= self.budget < 1:
+            raise ValueError(f"kpool: top={self.top}, budget={self.budget}: top >= 1 or 0 < budget < 1")
+        if self.local < self.pool:
+            raise ValueError(f"kpool: local={self.local} < pool={self.pool}: the local tail must hold the current "
+                             "incomplete pool (local >= pool)")
+        if self.sink < 0:
+            raise ValueError(f"kpool: sink={self.sink}: must be >= 0")
+        if self.heads not in HEAD_MODES:
+            raise ValueError(f"kpool: heads={self.heads!r}: allowed {', '.join(HEAD_MODES)}")
+        from phasekv.adapters.indexers import check_indexer
+
+        check_indexer(self.indexer, self.pool)
+
+    @property
+    def name(self) -> str:
+        size = f"top={self.top}" if self.top else f"budget={self.budget:g}"
+        return (f"kpool:pool={self.pool},{size},local={self.local},sink={self.sink},heads={self.heads},"
+                f"indexer={self.indexer}")
+
+    def pools_per_query(self, positions: torch.Tensor) -> torch.Tensor:
+        """K for queries at `positions` (Tq,): the fixed top, or the budget's share of each context."""
+        if self.top:
+            return torch.full_like(positions, self.top)
+        return ((self.budget * (positions + 1).double() / self.pool).round().long()).clamp(min=1)
+
+
+_KEY = re.compile(r"^(pool|top|budget|local|sink|heads|indexer)=(.+)$")
+
+
+def parse_selection(text: str) -> SelectionSpec:
+    """'kpool:pool=4,top=8,indexer=oracle' -> SelectionSpec; one-line ValueError for anything else."""
+    head, _, body = text.partition(":")
+    if head != "kpool" or not body:
+        raise ValueError(f"selection {text!r}: expected kpool:pool=P,top=K[,budget=F][,local=L][,sink=N]"
+                         "[,heads=shared|kv][,indexer=oracle|mean|max|distilled:DIR]")
+    fields: dict[str, Any] = {}
+    for part in body.split(","):
+        match = _KEY.match(part.strip())
+        if not match:
+            raise ValueError(f"selection {text!r}: cannot read {part!r} (keys: pool, top, budget, local, sink, "
+                             "heads, indexer)")
+        key, value = match.groups()
+        if key in fields:
+            raise ValueError(f"selection {text!r}: {key} given twice")
+        try:
+            fields[key] = float(value) if key == "budget" else value if key in ("heads", "indexer") else int(value)
+        except ValueError:
+            raise ValueError(f"selection {text!r}: {key}={value!r} is not a number") from None
+    if "pool" not in fields:
+        raise ValueError(f"selection {text!r}: pool=P is required")
+    return SelectionSpec(**fields)
+
+
+def is_selection(condition: str) -> bool:
+    return condition.startswith("kpool:")
+
+
+# ----------------------------------------------------------------------------- the selection itself
+
+
+@dataclass
+class Geometry:
+    """Where the queries and keys of one attention call sit: positions and the allowed (visible) pairs."""
+
+    query_pos: torch.Tensor  # (Tq,)
+    key_pos: torch.Tensor  # (Tk,)
+    visible: torch.Tensor  # (B or 1, 1, Tq, Tk) bool: causal and allowed by the call's mask
+
+    def key_pool(self, pool: int) -> torch.Tensor:
+        return self.key_pos // pool  # (Tk,)
+
+
+def call_geometry(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None) -> Geometry:
+    """Positions of one attention call's queries (B, H, Tq, D) and keys (B, H_kv, Tk, D), and what each query may
+    see: the causal order of positions, narrowed by the call's mask (additive or boolean) when it has one."""
+    tq, tk = query.shape[2], key.shape[2]
+    device = query.device
+    if position_ids is None:
+        query_pos = torch.arange(tk - tq, tk, device=device)
+    else:
+        query_pos = position_ids[0].to(device)  # every row of a phasekv call shares its positions
+    key_pos = torch.cat([torch.arange(tk - tq, device=device), query_pos])  # (Tk,)
+    visible = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
+    if attention_mask is not None:
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        visible = visible & allowed[..., -tk:]
+    return Geometry(query_pos, key_pos, visible)
+
+
+def candidate_pools(spec: SelectionSpec, geometry: Geometry, pools: int) -> torch.Tensor:
+    """(Tq, pools) bool: pool j is a candidate for the query at t when it is complete (jP + P - 1 <= t), not wholly
+    in the local tail (jP <= t - L) and not wholly in the sink ((j + 1) P > N)."""
+    start = torch.arange(pools, device=geometry.query_pos.device) * spec.pool  # (pools,)
+    t = geometry.query_pos[:, None]
+    return (start + spec.pool - 1 <= t) & (start <= t - spec.local) & (start + spec.pool > spec.sink)
+
+
+def select_pools(spec: SelectionSpec, scores: torch.Tensor, candidates: torch.Tensor,
+                 query_pos: torch.Tensor) -> torch.Tensor:
+    """The selected pools (B, G, Tq, pools) bool: per query, the K(t) highest-scoring candidates (ties: the lower
+    pool index), fewer when fewer are candidates.  scores: (B, G, Tq, pools)."""
+    k = spec.pools_per_query(query_pos)  # (Tq,)
+    kmax = int(min(int(k.max()), scores.shape[-1]))
+    masked = scores.float().masked_fill(~candidates, float("-inf"))
+    values, order = masked.sort(dim=-1, descending=True, stable=True)  # stable: ties go to the lower pool
+    values, order = values[..., :kmax], order[..., :kmax]
+    keep = (torch.arange(kmax, device=scores.device) < k[:, None]) & torch.isfinite(values)  # (B, G, Tq, kmax)
+    chosen = torch.zeros_like(masked, dtype=torch.bool)
+    return chosen.scatter(-1, order, keep)
+
+
+def selection_mask(spec: SelectionSpec, geometry: Geometry, selected: torch.Tensor) -> torch.Tensor:
+    """(B, G, Tq, Tk) bool: the keys each query attends: visible and (sink, local or in a selected pool)."""
+    t, s = geometry.query_pos[:, None], geometry.key_pos[None, :]
+    fixed = (s < spec.sink) | (t - s < spec.local)  # (Tq, Tk)
+    pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))  # (B, G, Tq, Tk)
+    return geometry.visible & (fixed | pooled)
+
+
+@dataclass
+class SelectionState:
+    """What the installed attention function needs per call, and what it recorded."""
+
+    spec: SelectionSpec
+    indexer: Any  # phasekv.adapters.indexers.Indexer
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # id(attention module) -> its input hidden states
+    record: bool = False  # keep each layer's selection at the last query position (selection statistics)
+    recorded: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+_ACTIVE: dict[int, SelectionState] = {}  # id(attention module) -> the selection it runs under
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x  # (B, H_kv, T, D) -> (B, H, T, D)
+
+
+def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
+    -> ((B, Tq, H, D) output, (B, H, Tq, Tk) probabilities) under the module's selection."""
+    state = _ACTIVE[id(module)]
+    spec = state.spec
+    heads, kv_heads = query.shape[1], key.shape[1]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
+    k, v = _expand_kv(key, heads // kv_heads), _expand_kv(value, heads // kv_heads)
+    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling  # (B, H, Tq, Tk)
+    pools = int(geometry.key_pos.max()) // spec.pool + 1
+    scores = state.indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
+                                       kv_heads=kv_heads, hidden=state.hidden.get(id(module)))  # (B, G, Tq, P)
+    selected = select_pools(spec, scores, candidate_pools(spec, geometry, pools), geometry.query_pos)
+    allowed = selection_mask(spec, geometry, selected)  # (B, G, Tq, Tk)
+    if allowed.shape[1] not in (1, heads):
+        allowed = allowed.repeat_interleave(heads // allowed.shape[1], dim=1)
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)  # the local tail keeps every row non-empty
+    if state.record:  # the last query's selection (B, G, pools) and attention (B, H, Tk)
+        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": probs[:, :, -1].detach(),
+                               "key_pos": geometry.key_pos, "query_pos": geometry.query_pos[-1]})
+    out = torch.matmul(probs.to(v.dtype), v)  # (B, H, Tq, D)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def reference_attention(spec: SelectionSpec, indexer: Any, module: nn.Module, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """The slow oracle of `selection_attention` for a plain causal call (keys at 0 .. T-1): one query at a time,
+    candidates listed by hand, pools ranked by sorting, softmax over the gathered keys only.  -> (B, Tq, H, D)."""
+    b, heads, tq, d = query.shape
+    kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
+    out = torch.zeros(b, tq, heads, d, dtype=query.dtype)
+    geometry = call_geometry(query, key, None, None)
+    logits = torch.matmul(query, _expand_kv(key, groups).transpose(-1, -2)) * d ** -0.5
+    pools = (key.shape[2] - 1) // spec.pool + 1
+    scores = indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
+                                 kv_heads=kv_heads, hidden=hidden)  # (B, G, Tq, P)
+    for row in range(b):
+        for t in range(tq):
+            budget = int(spec.pools_per_query(torch.tensor([t]))[0])
+            for h in range(heads):
+                g = 0 if scores.shape[1] == 1 else h // groups
+                cands = [j for j in range(pools) if j * spec.pool + spec.pool - 1 <= t
+                         and j * spec.pool <= t - spec.local and (j + 1) * spec.pool > spec.sink]
+                ranked = sorted(cands, key=lambda j: (-float(scores[row, g, t, j]), j))[:budget]
+                keys = sorted({s for s in range(t + 1) if s < spec.sink or t - s < spec.local}
+                              | {s for j in ranked for s in range(j * spec.pool, j * spec.pool + spec.pool)})
+                w = torch.softmax(torch.stack([logits[row, h, t, s] for s in keys]), 0)
+                out[row, t, h] = sum(w[i] * value[row, h // groups, s] for i, s in enumerate(keys))
+    return out
+
+
+# ----------------------------------------------------------------------------- installing it on a model
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, selection_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, eager_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer's `self_attn` of a transformers causal LM."""
+    found = [m.self_attn for m in model.modules() if hasattr(m, "self_attn") and hasattr(m.self_attn, "o_proj")]
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no decoder layer with self_attn.o_proj to select under")
+    return found
+
+
+@contextlib.contextmanager
+def selecting(model: nn.Module, spec: SelectionSpec, indexer: Any, record: bool = False) -> Iterator[SelectionState]:
+    """While active, every attention layer of `model` runs under `spec` with `indexer`; the model's attention
+    implementation, and every hook added here, are restored on exit, whatever happens."""
+    _register()
+    state = SelectionState(spec, indexer, record=record)
+    configs = {id(c): (c, c._attn_implementation) for c in _configs(model)}
+    handles, modules = [], attention_modules(model)
+    try:
+        for module in modules:
+            _ACTIVE[id(module)] = state
+            if indexer.needs_hidden:
+                handles.append(module.register_forward_pre_hook(_keep_hidden(state), with_kwargs=True))
+        for config, _ in configs.values():
+            config._attn_implementation = ATTENTION_NAME
+        yield state
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in modules:
+            _ACTIVE.pop(id(module), None)
+        for config, implementation in configs.values():
+            config._attn_implementation = implementation
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """The model's config objects that carry the attention implementation (the model's, its text config's)."""
+    seen, out = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
+            seen.add(id(config))
+            out.append(config)
+    return out
+
+
+def _keep_hidden(state: SelectionState):
+    def hook(module, args, kwargs):
+        state.hidden[id(module)] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    return hook
+
+
+def attended_fraction(spec: SelectionSpec, length: int) -> float:
+    """The share of a `length`-token context the last query attends (sink, local tail and K whole pools)."""
+    t = length - 1
+    k = int(spec.pools_per_query(torch.tensor([t]))[0])
+    return min(1.0, (spec.sink + spec.local + k * spec.pool) / length) if length else math.nan
+
+
+# ----------------------------------------------------------------------------- the audit condition
+
+
+class SelectionAdapter:
+    """An HFAdapter evaluated under pooled selection: every prompt is one full forward (selection acts at every
+    position of the prefill, as in the real models), so `prefill` keeps the context ids and `continue_from` runs
+    context + query whole; `runner.predict` works unchanged.  `attended` is the share of the context the
+    answering query attends (sink + local tail + K pools) at the last checked prompt length."""
+
+    shares_cache = False
+    shares_prefix = False
+
+    def __init__(self, inner, spec: SelectionSpec):
+        from phasekv.adapters.indexers import make_indexer
+        from phasekv.evaluate.adapter import ModelInfo
+
+        self.inner, self.spec = inner, spec
+        self.indexer = make_indexer(spec.indexer)
+        self.module, self.device = inner.module, inner.device
+        i = inner.info
+        self.info = ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads, i.num_kv_heads,
+                              i.head_dim, i.max_length, spec.pool, spec.local)
+        self.attended: float | None = None
+
+    def attention_layers(self):
+        return self.inner.attention_layers()
+
+    def check_length(self, length: int) -> None:
+        """Also refuse prompts too short for selection to choose (every candidate pool selected): their numbers
+        would be dense attention's."""
+        self.inner.check_length(length)
+        pos = torch.tensor([length - 1])
+        geometry = Geometry(pos, torch.arange(length), torch.ones(1, 1, 1, length, dtype=torch.bool))
+        candidates = int(candidate_pools(self.spec, geometry, (length - 1) // self.spec.pool + 1).sum())
+        if candidates <= int(self.spec.pools_per_query(pos)[0]):
+            raise ValueError(f"{self.spec.name}: prompts of {length} tokens have {candidates} candidate pools, no more "
+                             "than it selects: selection would attend everything (lower top/budget or use longer "
+                             "prompts)")
+        self.attended = attended_fraction(self.spec, length)
+
+    def _forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        from phasekv.evaluate.adapter import forward_bytes
+        from phasekv.families import GIB, available_memory
+
+        dtype = next(self.module.parameters()).dtype
+        need = forward_bytes(self.module.config, ids.shape[1], ids.shape[0], torch.finfo(dtype).bits // 8, True)
+        if need > available_memory():
+            raise ValueError(f"context: a selection forward of {ids.shape[0]} x {ids.shape[1]} tokens needs about "
+                             f"{need / GIB:.1f} GiB, more than is available; lower --batch-size")
+        with torch.no_grad(), selecting(self.module, self.spec, self.indexer):
+            return self.module(input_ids=ids.to(self.device), use_cache=False, logits_to_keep=keep).logits
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward(ids, 0)
+
+    def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward(ids, 1)
+
+    def prefill(self, ids: torch.Tensor, prefix: int = 0):
+        return ids, ids.shape[1]
+
+    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
+        """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions."""
+        contexts, _ = cache
+        whole = torch.cat([contexts.repeat_interleave(repeats, 0), ids.to(contexts.device)], dim=1)
+        return self._forward(whole, ids.shape[1])

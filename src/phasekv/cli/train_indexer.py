@@ -1,0 +1,57 @@
+"""`phasekv train-indexer --hf DIR [--gguf-file NAME] --pool 4 --out OUT`: transformers' GLM-5.3 k-pool indexer
+(`Glm5NextTextIndexer`, one per layer) distilled onto a frozen dense LM (`phasekv.train_indexer`); OUT then serves
+`phasekv audit --select kpool:pool=4,...,indexer=distilled:OUT`.  The work is kept in .OUT.partial beside OUT
+until it is complete (a killed run resumes from the features it had computed) and then published as OUT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-indexer", help="distil a GLM-5.3 k-pool indexer onto a frozen transformers LM")
+    p.add_argument("--hf", required=True, help="transformers causal LM: local directory")
+    p.add_argument("--gguf-file", help="load this GGUF file inside --hf (needs the gguf extra: make real-model)")
+    p.add_argument("--pool", type=int, default=4, help="tokens per pool (GLM-5.3: 4)")
+    p.add_argument("--heads", type=int, default=4, help="indexer heads")
+    p.add_argument("--head-dim", type=int, default=32, help="indexer head dimension")
+    p.add_argument("--sequences", type=int, default=64, help="training sequences of the corpus")
+    p.add_argument("--held-out", type=int, default=16, help="held-out sequences (KL and recall before and after)")
+    p.add_argument("--length", type=int, default=384, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--out", required=True, help="output directory (indexer.safetensors, indexer.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args) -> dict[str, Any]:
+    import torch
+
+    from phasekv.evaluate.hf import load_hf
+    from phasekv.outputs import MARKER, check_output_dir, publish
+    from phasekv.train_indexer import IndexerTraining, train_indexer
+
+    if not args.lr > 0:
+        raise ValueError(f"--lr: must be > 0, got {args.lr}")
+    cfg = IndexerTraining(pool=args.pool, heads=args.heads, head_dim=args.head_dim, sequences=args.sequences,
+                          held_out=args.held_out, length=args.length, steps=args.steps, batch=args.batch, lr=args.lr,
+                          seed=args.seed)
+    out = Path(args.out)
+    check_output_dir(out, args.force)  # before loading anything
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
+    work = out.absolute().parent / f".{out.name}.partial"
+    work.mkdir(parents=True, exist_ok=True)
+    config = train_indexer(adapter.module, tokenizer, work, cfg, model_name=adapter.info.name,
+                           progress=not args.no_progress)
+    (work / MARKER).touch()
+    (work / "features.safetensors").unlink(missing_ok=True)  # the resume cache, not part of the result
+    publish(work, out)
+    return config

@@ -1,0 +1,225 @@
+"""Pooled selection as an audit condition (phasekv.adapters.selection, .indexers), its mechanism statistics
+(phasekv.evaluate.selection) and the distilled indexer (phasekv.train_indexer), on tiny transformers models."""
+
+import json
+
+import pytest
+import torch
+
+from phasekv.adapters import indexers as ix
+from phasekv.adapters import selection as sel
+from phasekv.evaluate.adapter import HFAdapter
+from tests.helpers import tiny_causal_lm
+
+SPECS = ["kpool:pool=4,top=2,local=4,sink=1", "kpool:pool=2,budget=0.3,local=4,sink=0",
+         "kpool:pool=1,top=5,local=2,sink=2", "kpool:pool=8,top=1,local=8,sink=1"]
+
+
+def _call(seed=0, b=2, heads=4, kv=2, t=40, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, heads, t, d, generator=g), torch.randn(b, kv, t, d, generator=g),
+            torch.randn(b, kv, t, d, generator=g))
+
+
+class _Layer(torch.nn.Module):
+    layer_idx = 0
+
+
+def _fast(spec, indexer, q, k, v, hidden=None):
+    module = _Layer()
+    state = sel.SelectionState(spec, indexer)
+    if hidden is not None:
+        state.hidden[id(module)] = hidden
+    sel._ACTIVE[id(module)] = state
+    try:
+        return sel.selection_attention(module, q, k, v, None, scaling=q.shape[-1] ** -0.5)[0]
+    finally:
+        sel._ACTIVE.pop(id(module))
+
+
+@pytest.mark.parametrize("text", SPECS)
+@pytest.mark.parametrize("indexer", ["oracle", "mean", "max"])
+@pytest.mark.parametrize("heads", ["shared", "kv"])
+def test_fast_selection_matches_the_per_query_reference(text, indexer, heads):
+    spec = sel.parse_selection(f"{text},heads={heads},indexer={indexer}")
+    q, k, v = _call()
+    fast = _fast(spec, ix.make_indexer(indexer), q, k, v)
+    ref = sel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v)
+    assert torch.allclose(fast, ref, atol=1e-5)
+
+
+def test_the_distilled_indexer_matches_the_reference_too(tmp_path):
+    directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
+    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,indexer=distilled:{directory}")
+    q, k, v = _call()
+    hidden = torch.randn(2, 40, 16)
+    fast = _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden)
+    ref = sel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden)
+    assert torch.allclose(fast, ref, atol=1e-5)
+
+
+def test_each_query_attends_exactly_sink_local_and_its_pools():
+    """Read off the mask: with pool 4, top 2, local 4, sink 1 the query at t = 39 sees the sink, its tail and the
+    keys of exactly 2 pools; a query with fewer candidates than K sees every candidate."""
+    spec = sel.parse_selection("kpool:pool=4,top=2,local=4,sink=1")
+    q, k, _ = _call(t=40)
+    geometry = sel.call_geometry(q, k, None, None)
+    logits = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2))
+    scores = ix.Oracle().pool_scores(module=None, logits=logits, geometry=geometry, spec=spec, pools=10, kv_heads=2,
+                                     hidden=None)
+    candidates = sel.candidate_pools(spec, geometry, 10)
+    chosen = sel.select_pools(spec, scores, candidates, geometry.query_pos)
+    mask = sel.selection_mask(spec, geometry, chosen)
+    pools = chosen[0, 0, 39].nonzero().flatten().tolist()
+    expected = {0} | set(range(36, 40)) | {s for j in pools for s in range(4 * j, 4 * j + 4)}
+    assert len(pools) == 2 and mask[0, 0, 39].nonzero().flatten().tolist() == sorted(expected)
+    assert int(candidates[8].sum()) == 2 and int(mask[0, 0, 8].sum()) == 9  # t = 8: pools 0, 1 and the tail 5..8
+    assert not mask[..., :, :].triu(1).any()  # nothing after the query, ever
+
+
+def test_the_oracle_selects_the_pools_with_the_most_attention_mass():
+    """One query whose key-5 logit is huge: pool 1 (keys 4..7) holds nearly all the mass and must be selected."""
+    spec = sel.parse_selection("kpool:pool=4,top=1,local=4,sink=0")
+    q = torch.zeros(1, 1, 24, 2)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 24, 2)
+    k[0, 0, 5, 0] = 30.0
+    geometry = sel.call_geometry(q, k, None, None)
+    scores = ix.Oracle().pool_scores(module=None, logits=torch.matmul(q, k.transpose(-1, -2)), geometry=geometry,
+                                     spec=spec, pools=6, kv_heads=1, hidden=None)
+    chosen = sel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, 6), geometry.query_pos)
+    assert chosen[0, 0, 23].nonzero().flatten().tolist() == [1]
+    assert chosen[0, 0, 6].nonzero().flatten().tolist() == [0]  # at t = 6 pool 1 is incomplete: not a candidate
+
+
+@pytest.mark.parametrize("indexer", ["oracle", "mean", "max", "distilled"])
+def test_selection_never_looks_at_the_future(indexer, tmp_path):
+    """Changing the tokens after position t changes no logit at or before t, whatever the indexer."""
+    model = tiny_causal_lm("llama", 50, 256, "eager")
+    name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
+    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,sink=1,indexer={name}")
+    ids = torch.randint(0, 50, (2, 48))
+    other = ids.clone()
+    other[:, 30:] = torch.randint(0, 50, (2, 18))
+    with torch.no_grad(), sel.selecting(model, spec, ix.make_indexer(name)):
+        a, b = model(ids).logits, model(other).logits
+    assert torch.allclose(a[:, :30], b[:, :30], atol=1e-5)
+    assert not torch.allclose(a[:, 30:], b[:, 30:], atol=1e-3)
+
+
+def test_selection_changes_the_model_and_is_removed_on_exit_even_after_an_error():
+    model = tiny_causal_lm("llama", 50, 256, "sdpa")
+    ids = torch.randint(0, 50, (1, 64))
+    with torch.no_grad():
+        dense = model(ids).logits
+        spec = sel.parse_selection("kpool:pool=4,top=1,local=4,sink=0")
+        with sel.selecting(model, spec, ix.Oracle()):
+            selected = model(ids).logits
+        with pytest.raises(RuntimeError, match="boom"), sel.selecting(model, spec, ix.Oracle()):
+            raise RuntimeError("boom")
+        assert model.config._attn_implementation == "sdpa" and not sel._ACTIVE
+        assert torch.allclose(model(ids).logits, dense, atol=1e-6)
+    assert (selected - dense)[:, 20:].abs().max() > 1e-3  # later queries lost keys
+
+
+def test_a_budget_attends_everything_matches_dense_attention():
+    """top larger than every candidate count: the selection is the whole causal past, i.e. dense attention."""
+    model = tiny_causal_lm("llama", 50, 256, "eager")
+    ids = torch.randint(0, 50, (2, 40))
+    with torch.no_grad():
+        dense = model(ids).logits
+        with sel.selecting(model, sel.parse_selection("kpool:pool=4,top=99,local=4,sink=0"), ix.MeanKey()):
+            assert torch.allclose(model(ids).logits, dense, atol=1e-5)
+
+
+def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them():
+    model = tiny_causal_lm("llama", 50, 256, "eager")
+    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection("kpool:pool=4,top=2,local=4"))
+    contexts = torch.randint(0, 50, (2, 30))
+    queries = torch.randint(0, 50, (6, 3))
+    split = adapter.continue_from(adapter.prefill(contexts), queries, 3)
+    whole = adapter.logits(torch.cat([contexts.repeat_interleave(3, 0), queries], 1))[:, -3:]
+    assert torch.allclose(split, whole, atol=1e-5)
+    assert adapter.info.stride == 4
+    with pytest.raises(ValueError, match="would attend everything"):
+        adapter.check_length(12)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kpool:top=2", "pool=P is required"),
+    ("kpool:pool=0,top=2", "pool=0: must be >= 1"),
+    ("kpool:pool=4", "exactly one of top=K"),
+    ("kpool:pool=4,top=2,budget=0.5", "exactly one of top=K"),
+    ("kpool:pool=4,budget=1.5", "0 < budget < 1"),
+    ("kpool:pool=8,top=2,local=4", "local=4 < pool=8"),
+    ("kpool:pool=4,top=2,heads=all", "heads='all'"),
+    ("kpool:pool=4,top=2,indexer=best", "indexer='best'"),
+    ("kpool:pool=4,top=two", "is not a number"),
+    ("kpool:pool=4,top=2,top=3", "given twice"),
+    ("kpool:pool=4,size=2", "cannot read"),
+    ("kpool:pool=4,top=2,indexer=distilled:/nonexistent", "holds no indexer.json"),
+    ("pool:4", "expected kpool:"),
+])
+def test_bad_selection_specs_are_one_line_errors(text, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        sel.parse_selection(text)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_distilled_indexer_for_another_pool_is_refused(tmp_path):
+    directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
+    with pytest.raises(ValueError, match="trained for pool=4, not pool=8"):
+        sel.parse_selection(f"kpool:pool=8,top=2,local=8,indexer=distilled:{directory}")
+
+
+def test_distillation_lowers_the_held_out_kl_and_raises_recall():
+    """The real Glm5NextTextIndexer modules on a tiny Llama's hidden states, trained on the KL to its dense
+    attention over random sequences: the held-out KL falls and the top-K recall of the oracle's pools rises."""
+    from phasekv.train_indexer import IndexerTraining, features, fit, held_out
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", 50, 256, "sdpa").requires_grad_(False)
+    seqs = [torch.randint(0, 50, (64,)).tolist() for _ in range(10)]
+    feats = features(model, seqs, 4, progress=False)
+    assert feats[0]["hidden"].shape == (2, 64, 32) and feats[0]["mass"].shape == (2, 64, 16)
+    assert torch.allclose(feats[0]["mass"].float().sum(-1), torch.full((2, 64), 4.0), atol=0.02)  # 4 heads' mass
+    cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=8, held_out=2, length=64, steps=150, batch=4,
+                          lr=3e-3, local=4)
+    indexers = ix.build_glm_indexers(32, 2, 4, 2, 8)
+    before = held_out(indexers, feats[8:], cfg)
+    fit(indexers, feats[:8], cfg, progress=False)
+    after = held_out(indexers, feats[8:], cfg)
+    assert after["kl_per_layer"] < 0.8 * before["kl_per_layer"]
+    assert after["recall_at_budget"] > before["recall_at_budget"]
+
+
+def test_the_mechanism_counts_the_target_pool_per_phase():
+    """On a lookup prompt set the oracle's rate of selecting the target's pool is reported per phase, in [0, 1],
+    with the tail share apart."""
+    from phasekv.data.protocols import build_eval_set
+    from phasekv.data.vocab import Vocabulary
+    from phasekv.evaluate.selection import selection_mechanism
+
+    vocab = Vocabulary()
+    model = tiny_causal_lm("llama", vocab.size, 512, "eager")
+    eval_set = build_eval_set(vocab, "prefix", n_records=24, n_demos=1, stride=4, residue_modulus=4,
+                              seed=0)
+    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection("kpool:pool=4,top=2,local=4"))
+    result = selection_mechanism(adapter, eval_set, per_phase=2, progress=False)
+    assert [p["phase"] for p in result["per_phase"]] == [0, 1, 2, 3]
+    for p in result["per_phase"]:
+        assert p["n"] == 2 and 0 <= p["target_selected"] <= 1 and 0 <= p["answer_mass"] <= 1
+
+
+def _distilled_dir(tmp_path, hidden: int, layers: int, pool: int):
+    from safetensors.torch import save_file
+
+    directory = tmp_path / f"indexer-{hidden}-{layers}-{pool}"
+    directory.mkdir()
+    modules = ix.build_glm_indexers(hidden, layers, pool, 2, 8, seed=1)
+    for m in modules:  # a non-trivial pooling gate, so the real module's weighting is exercised
+        torch.nn.init.normal_(m.index_kpool_compress_gate, std=0.1)
+    save_file({k: v.contiguous() for k, v in modules.state_dict().items()}, str(directory / ix.WEIGHTS_FILE))
+    (directory / ix.CONFIG_FILE).write_text(json.dumps({"pool": pool, "hidden_size": hidden, "layers": layers,
+                                                        "heads": 2, "head_dim": 8}))
+    return directory
