@@ -83,7 +83,7 @@ from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
 FIELDS = ("cluster", "target_position", "correct")
-DIP_BOUND_PERCENTILES = (5.0, 95.0)  # the dip's bounds: one-sided 95% each (the material rule is one-sided)
+CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule is one-sided)
 _CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
 
 Records = Sequence[Mapping] | Mapping[str, ArrayLike]
@@ -170,7 +170,7 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
     kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
-    crossfit, dip = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
+    crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
     flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
     within_p = (_flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)[0] if within
                 else None)
@@ -192,8 +192,8 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "phase_gap_ci_basic_pp": _basic_gap_ci(phase_gap, boot[2]),
         "gap_crossfit_pp": crossfit,
         "gap_crossfit_ci_pp": _percentile_ci(boot[3]) if crossfit is not None and boot[3].size else None,
-        "dip_crossfit_pp": dip,
-        **_dip_bounds(dip, boot[4]),
+        "contrast_crossfit_pp": contrast,
+        **_contrast_bounds(contrast, boot[4]),
         "best_residue": int(np.argmax(acc)),
         "worst_residue": int(np.argmin(acc)),
         "best_phase": int(np.argmax(acc_phase)),
@@ -274,7 +274,9 @@ def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray,
 
 def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
     """Selection-free contrasts (pp) of groups chosen on half a and measured on half b, and vice versa, averaged:
-    [..., 0] best minus worst group, [..., 1] the dip, the mean of the upper half of the groups minus the worst.
+    [..., 0] best minus worst group; [..., 1] the phase contrast: the dip (the mean of the upper half of the groups
+    minus the worst) or the peak (the best minus the mean of the lower half), whichever is larger on the choosing
+    half (a weak phase or a lone strong one), measured on the other.
 
     Counts of shape (..., R); result (..., 2).  Groups empty in the choosing half are skipped; a contrast whose
     chosen groups are empty in the measuring half is nan.
@@ -282,18 +284,29 @@ def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.nd
     def one_way(k_sel, n_sel, k_eval, n_eval):
         acc_sel = np.divide(k_sel, n_sel, out=np.full(k_sel.shape, np.nan), where=n_sel > 0)
         acc_eval = np.divide(k_eval, n_eval, out=np.full(k_eval.shape, np.nan), where=n_eval > 0)
-        best, worst = np.nanargmax(acc_sel, -1)[..., None], np.nanargmin(acc_sel, -1)[..., None]
-        low = np.take_along_axis(acc_eval, worst, -1)[..., 0]
-        # the upper half: the ceil(m / 2) best of the m groups the choosing half saw (empty ones sort last)
-        order = np.argsort(np.where(np.isnan(acc_sel), np.inf, -acc_sel), -1)
+        order = np.argsort(np.where(np.isnan(acc_sel), np.inf, -acc_sel), -1)  # best first, empty groups last
         seen = np.count_nonzero(~np.isnan(acc_sel), -1)[..., None]
-        upper = np.take_along_axis(acc_eval, order, -1)
-        upper = np.where(np.arange(acc_sel.shape[-1]) < (seen + 1) // 2, upper, np.nan)  # (..., R)
-        count = np.count_nonzero(~np.isnan(upper), -1)
-        upper_mean = np.divide(np.nansum(upper, -1), count, out=np.full(count.shape, np.nan), where=count > 0)
-        return np.stack([np.take_along_axis(acc_eval, best, -1)[..., 0] - low, upper_mean - low], -1)
+        rank = np.arange(acc_sel.shape[-1])
+        half = (seen + 1) // 2
+        upper, lower = rank < half, (rank >= seen - half) & (rank < seen)  # (..., R) masks over the order
+        first, last = rank == 0, rank == seen - 1
+
+        def contrast(acc, high, low):
+            ordered = np.take_along_axis(acc, order, -1)
+            return _masked_mean(ordered, high) - _masked_mean(ordered, low)
+
+        dip_sel, peak_sel = contrast(acc_sel, upper, last), contrast(acc_sel, first, lower)
+        phase = np.where(peak_sel > dip_sel, contrast(acc_eval, first, lower), contrast(acc_eval, upper, last))
+        return np.stack([contrast(acc_eval, first, last), phase], -1)
 
     return 50 * (one_way(k_a, n_a, k_b, n_b) + one_way(k_b, n_b, k_a, n_a))
+
+
+def _masked_mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of the finite values where `mask` is set; nan where there are none."""
+    keep = mask & ~np.isnan(values)
+    count = np.count_nonzero(keep, -1)
+    return np.divide(np.where(keep, values, 0.0).sum(-1), count, out=np.full(count.shape, np.nan), where=count > 0)
 
 
 def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
@@ -314,7 +327,7 @@ def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
 
 def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
                        rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """Replicates of (mean, gap, phase gap, cross-fitted gap, cross-fitted dip) with clusters resampled with
+    """Replicates of (mean, gap, phase gap, cross-fitted gap, cross-fitted phase contrast) with clusters resampled with
     replacement.
 
     kc, nc: (C, R) correct / total counts per cluster and residue.  A replicate draws C clusters
@@ -414,13 +427,13 @@ def _percentile_ci(samples: np.ndarray) -> list[float]:
     return [float(low), float(high)]
 
 
-def _dip_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
-    """`dip_crossfit_bounds_pp` (the DIP_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound) and
-    `dip_crossfit_se_pp` (the bootstrap's standard deviation); None without a dip or with < 20 finite replicates."""
+def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
+    """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound) and
+    `contrast_crossfit_se_pp` (the bootstrap's standard deviation); None without a dip or with < 20 finite replicates."""
     if dip is None or samples.size < 20:
-        return {"dip_crossfit_bounds_pp": None, "dip_crossfit_se_pp": None}
-    return {"dip_crossfit_bounds_pp": [float(x) for x in np.percentile(samples, DIP_BOUND_PERCENTILES)],
-            "dip_crossfit_se_pp": float(samples.std(ddof=1))}
+        return {"contrast_crossfit_bounds_pp": None, "contrast_crossfit_se_pp": None}
+    return {"contrast_crossfit_bounds_pp": [float(x) for x in np.percentile(samples, CONTRAST_BOUND_PERCENTILES)],
+            "contrast_crossfit_se_pp": float(samples.std(ddof=1))}
 
 
 def _basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:

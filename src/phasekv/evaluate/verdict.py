@@ -7,7 +7,7 @@ its number (the module constants; tests/test_verdict.py pins every one just insi
    model that copies a random value present in the prompt);
 2. phase-dependent: the cluster permutation test rejects flatness at FLATNESS_ALPHA;
 3. material: the dip (the mean of the upper half of the residue groups minus the weakest group, both chosen on
-   held-out clusters: `dip_crossfit_pp`) has a one-sided 95% lower bound >= MATERIAL_GAP_PP, and the observed gap
+   held-out clusters: `contrast_crossfit_pp`) has a one-sided 95% lower bound >= MATERIAL_GAP_PP, and the observed gap
    exceeds the null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few
    clusters to split there is no bound and no material effect.
 
@@ -39,7 +39,7 @@ import numpy as np
 from scipy.stats import norm
 
 from phasekv.evaluate.metrics import (
-    DIP_BOUND_PERCENTILES,
+    CONTRAST_BOUND_PERCENTILES,
     _group_counts,
     _rounded,
     detect_period,
@@ -56,20 +56,20 @@ DETECTION_POWER = 0.80  # the minimum detectable gap is the dip found this often
 def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None, str]:
     """(lower bound, [lower, upper] one-sided 95% bounds, name) of the dip the material rule trusts: the
     selection-free cross-fitted dip, the only source (None, None when the run had too few clusters to split)."""
-    bounds = metrics.get("dip_crossfit_bounds_pp")
-    return (None if bounds is None else bounds[0]), bounds, "selection-free dip"
+    bounds = metrics.get("contrast_crossfit_bounds_pp")
+    return (None if bounds is None else bounds[0]), bounds, "selection-free phase contrast"
 
 
 def minimum_detectable_gap(metrics: dict) -> float | None:
     """The dip (pp) this run's design would call material with probability DETECTION_POWER, from its own bootstrap:
-    MATERIAL_GAP_PP + (z_0.95 + z_0.80) x sd of the cross-fitted dip (`dip_crossfit_se_pp`, which reflects the
+    MATERIAL_GAP_PP + (z_0.95 + z_0.80) x sd of the cross-fitted dip (`contrast_crossfit_se_pp`, which reflects the
     run's prompts, clusters and accuracy).  The normal approximation of the material rule alone; the flatness test
     must reject as well, which at the default designs it does more often than the bound clears (checked against
     the simulated power in benchmarks/verdict_power.py).  None without a bootstrap of the dip."""
-    se = metrics.get("dip_crossfit_se_pp")
+    se = metrics.get("contrast_crossfit_se_pp")
     if se is None:
         return None
-    z_bound = norm.ppf(1 - DIP_BOUND_PERCENTILES[0] / 100)
+    z_bound = norm.ppf(1 - CONTRAST_BOUND_PERCENTILES[0] / 100)
     return float(MATERIAL_GAP_PP + (z_bound + norm.ppf(DETECTION_POWER)) * se)
 
 
@@ -107,12 +107,12 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
     upper = metrics["gap_ci_pp"][1]
     tail = (f"accuracy {100 * mean:.1f}%, in-context chance {100 * in_context_chance:.1f}%, format chance "
             f"{100 * chance:.1f}%")
-    dip = metrics.get("dip_crossfit_pp")
+    dip = metrics.get("contrast_crossfit_pp")
     gap = (f"gap {metrics['max_gap_pp']:.1f} pp (upper bound {upper:.1f}), {dip_name} "
            f"{'-' if dip is None else f'{dip:.1f}'} pp, one-sided 95% bounds {_interval(bounds)} pp (minimum "
            f"{MATERIAL_GAP_PP:.0f}), null 95th percentile {metrics['null_gap_p95_pp']:.1f} pp, flatness p = "
            f"{metrics['flatness_p']:.3g}")
-    detectable = ("; this run could not bound the dip (too few clusters)" if mde is None else
+    detectable = ("; this run could not bound the phase contrast (too few clusters)" if mde is None else
                   f"; the smallest gap this run finds {100 * DETECTION_POWER:.0f}% of the time: {mde:.0f} pp")
     if material:
         verdict = f"phase sensitive: period {period}, {gap} ({tail})"

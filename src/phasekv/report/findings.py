@@ -132,7 +132,7 @@ def _gap(p: dict[str, Any]) -> tuple[float, list[float] | None]:
 def _dip(p: dict[str, Any]) -> tuple[float | None, list[float] | None]:
     """The dip the verdict's material rule trusts and its one-sided 95% bounds (pp): `verdict.material_gap_bound`."""
     _, bounds, _ = material_gap_bound(p)
-    return p.get("dip_crossfit_pp"), bounds
+    return p.get("contrast_crossfit_pp"), bounds
 
 
 def _mean(p: dict[str, Any]) -> tuple[float, list[float] | None]:
@@ -180,7 +180,7 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
         return "fails", None
     material = judge(bounds, MATERIAL_GAP_PP)
     if material != "holds":
-        return material, None if material == "fails" else "inconclusive: the dip's bounds span the minimum"
+        return material, None if material == "fails" else "inconclusive: the phase contrast's bounds span the minimum"
     if p["max_gap_pp"] <= p["null_gap_p95_pp"]:
         return "fails", None
     return ("holds" if verdict_period(p) == stride else "fails"), None
@@ -188,7 +188,7 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
 
 def _dip_text(p: dict[str, Any]) -> str:
     value, bounds = _dip(p)
-    return "dip not bounded (too few clusters)" if value is None else f"dip {value:.1f} pp {_ci(bounds)}"
+    return "phase contrast not bounded (too few clusters)" if value is None else f"phase contrast {value:.1f} pp {_ci(bounds)}"
 
 
 def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None, extra: str = "") -> dict[str, Any]:
@@ -196,7 +196,7 @@ def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None,
     value, bounds = _dip(p)
     status, why = phase_status(p, stride)
     return _finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
-                    f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free dip's one-sided 95% "
+                    f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free phase contrast's one-sided 95% "
                     f"lower bound >= {MATERIAL_GAP_PP:.0f} pp, gap above the null's 95th percentile, period = {stride}",
                     f"mean {100 * p['mean_accuracy']:.1f}%, gap {p['max_gap_pp']:.1f} pp (null 95th percentile "
                     f"{p['null_gap_p95_pp']:.1f}), {_dip_text(p)}, period {verdict_period(p)}, flatness p = "
@@ -207,7 +207,7 @@ def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
     value, bounds = _dip(p)
     why = _unable(p)
     return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
-                    f"selection-free dip's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a model that can "
+                    f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a model that can "
                     "do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
                     "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, bounds, MATERIAL_GAP_PP, why)
 
