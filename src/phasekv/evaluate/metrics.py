@@ -83,7 +83,7 @@ from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
 FIELDS = ("cluster", "target_position", "correct")
-CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule is one-sided)
+CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule)
 _CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
 
 Records = Sequence[Mapping] | Mapping[str, ArrayLike]
@@ -164,12 +164,13 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     if len(empty):
         raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
     cluster_ids, cluster_idx = np.unique(cluster, return_inverse=True)
-    boot_rng, perm_rng, split_rng, within_rng = (np.random.default_rng(s)
-                                                 for s in np.random.SeedSequence(seed).spawn(4))
+    boot_rng, perm_rng, split_rng, within_rng, contrast_rng = (np.random.default_rng(s)
+                                                               for s in np.random.SeedSequence(seed).spawn(5))
 
     mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
     kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
+    contrast_reps = _split_bootstrap(kc, nc, n_boot, contrast_rng)
     crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
     flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
     within_p = (_flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)[0] if within
@@ -193,7 +194,7 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "gap_crossfit_pp": crossfit,
         "gap_crossfit_ci_pp": _percentile_ci(boot[3]) if crossfit is not None and boot[3].size else None,
         "contrast_crossfit_pp": contrast,
-        **_contrast_bounds(contrast, boot[4]),
+        **_contrast_bounds(contrast, contrast_reps),
         "best_residue": int(np.argmax(acc)),
         "worst_residue": int(np.argmin(acc)),
         "best_phase": int(np.argmax(acc_phase)),
@@ -275,8 +276,8 @@ def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray,
 def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
     """Selection-free contrasts (pp) of groups chosen on half a and measured on half b, and vice versa, averaged:
     [..., 0] best minus worst group; [..., 1] the phase contrast: the dip (the mean of the upper half of the groups
-    minus the worst) or the peak (the best minus the mean of the lower half), whichever is larger on the choosing
-    half (a weak phase or a lone strong one), measured on the other.
+    minus the worst) or, when the best group stands further above the median than the worst falls below it (a lone
+    strong phase), the peak (the best minus the mean of the lower half); chosen on one half, measured on the other.
 
     Counts of shape (..., R); result (..., 2).  Groups empty in the choosing half are skipped; a contrast whose
     chosen groups are empty in the measuring half is nan.
@@ -295,8 +296,12 @@ def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.nd
             ordered = np.take_along_axis(acc, order, -1)
             return _masked_mean(ordered, high) - _masked_mean(ordered, low)
 
-        dip_sel, peak_sel = contrast(acc_sel, upper, last), contrast(acc_sel, first, lower)
-        phase = np.where(peak_sel > dip_sel, contrast(acc_eval, first, lower), contrast(acc_eval, upper, last))
+        # a lone strong group stands further above the median than the weakest falls below it (the median, not
+        # the halves' means: a half holding the weak groups would otherwise make a weak phase look like a peak)
+        ordered = np.take_along_axis(acc_sel, order, -1)
+        median = np.nanmedian(np.where(rank < seen, ordered, np.nan), -1)
+        peak = ordered[..., 0] - median > median - np.take_along_axis(ordered, seen - 1, -1)[..., 0]
+        phase = np.where(peak, contrast(acc_eval, first, lower), contrast(acc_eval, upper, last))
         return np.stack([contrast(acc_eval, first, last), phase], -1)
 
     return 50 * (one_way(k_a, n_a, k_b, n_b) + one_way(k_b, n_b, k_a, n_a))
@@ -327,12 +332,11 @@ def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
 
 def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
                        rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """Replicates of (mean, gap, phase gap, cross-fitted gap, cross-fitted phase contrast) with clusters resampled with
-    replacement.
+    """Replicates of (mean, gap, phase gap, cross-fitted gap) with clusters resampled with replacement.
 
     kc, nc: (C, R) correct / total counts per cluster and residue.  A replicate draws C clusters
     with replacement; its counts are the multiplicity-weighted sums of the clusters' counts.  The
-    first C // 2 draws and the rest are the two halves of the cross-fitted contrasts (nan replicates,
+    first C // 2 draws and the rest are the two halves of the cross-fitted gap (nan replicates,
     where a chosen group is empty in the other half, are dropped).
     """
     C = kc.shape[0]
@@ -346,11 +350,35 @@ def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
                   for d in (draws[:, : C // 2], draws[:, C // 2 :])]  # (b, C) multiplicity of each cluster
         weights = halves[0] + halves[1]
         stats = _curve_stats(weights @ kc, weights @ nc, stride)
-        crossfit = (_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc) if C > 1
-                    else np.full((b, 2), np.nan))  # (b, 2)
-        parts.append((*stats, crossfit[:, 0], crossfit[:, 1]))
+        crossfit = (_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 0] if C > 1
+                    else np.full(b, np.nan))
+        parts.append((*stats, crossfit))
     reps = [np.concatenate(p) for p in zip(*parts)]
-    return (*reps[:3], *(r[~np.isnan(r)] for r in reps[3:]))
+    reps[3] = reps[3][~np.isnan(reps[3])]
+    return tuple(reps)
+
+
+def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """Replicates of the cross-fitted phase contrast (pp, nan dropped; empty for < 2 clusters): each replicate
+    splits the clusters into halves and resamples each half with replacement from its own clusters.  Drawing both
+    halves from all clusters (as the gap's bootstrap does) puts ~15% of the clusters in both halves, so the
+    choosing half's noise leaks into the measuring half: in simulation a flat curve's lower bound sat above 0."""
+    C = kc.shape[0]
+    if C < 2:
+        return np.empty(0)
+    chunk = max(1, _CHUNK_ELEMENTS // C)
+    parts = []
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        perm = rng.permuted(np.tile(np.arange(C), (b, 1)), axis=1)  # (b, C): a random split per replicate
+        offset = C * np.arange(b)[:, None]
+        halves = []
+        for part in (perm[:, : C // 2], perm[:, C // 2 :]):
+            draws = np.take_along_axis(part, rng.integers(0, part.shape[1], part.shape), 1)  # within the half
+            halves.append(np.bincount((draws + offset).ravel(), minlength=b * C).reshape(b, C).astype(float))
+        parts.append(_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 1])
+    reps = np.concatenate(parts)
+    return reps[~np.isnan(reps)]
 
 
 def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -428,8 +456,8 @@ def _percentile_ci(samples: np.ndarray) -> list[float]:
 
 
 def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
-    """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound) and
-    `contrast_crossfit_se_pp` (the bootstrap's standard deviation); None without a dip or with < 20 finite replicates."""
+    """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound)
+    and `contrast_crossfit_se_pp` (the bootstrap's sd); None without a contrast or with < 20 finite replicates."""
     if dip is None or samples.size < 20:
         return {"contrast_crossfit_bounds_pp": None, "contrast_crossfit_se_pp": None}
     return {"contrast_crossfit_bounds_pp": [float(x) for x in np.percentile(samples, CONTRAST_BOUND_PERCENTILES)],

@@ -188,7 +188,9 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
 
 def _dip_text(p: dict[str, Any]) -> str:
     value, bounds = _dip(p)
-    return "phase contrast not bounded (too few clusters)" if value is None else f"phase contrast {value:.1f} pp {_ci(bounds)}"
+    if value is None:
+        return "phase contrast not bounded (too few clusters)"
+    return f"phase contrast {value:.1f} pp {_ci(bounds)}"
 
 
 def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None, extra: str = "") -> dict[str, Any]:
@@ -196,8 +198,9 @@ def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None,
     value, bounds = _dip(p)
     status, why = phase_status(p, stride)
     return _finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
-                    f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free phase contrast's one-sided 95% "
-                    f"lower bound >= {MATERIAL_GAP_PP:.0f} pp, gap above the null's 95th percentile, period = {stride}",
+                    f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free phase contrast's "
+                    f"one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, gap above the null's 95th percentile, "
+                    f"period = {stride}",
                     f"mean {100 * p['mean_accuracy']:.1f}%, gap {p['max_gap_pp']:.1f} pp (null 95th percentile "
                     f"{p['null_gap_p95_pp']:.1f}), {_dip_text(p)}, period {verdict_period(p)}, flatness p = "
                     f"{p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value, bounds, MATERIAL_GAP_PP, why)
@@ -207,8 +210,8 @@ def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
     value, bounds = _dip(p)
     why = _unable(p)
     return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
-                    f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a model that can "
-                    "do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
+                    f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a "
+                    "model that can do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
                     "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, bounds, MATERIAL_GAP_PP, why)
 
 
