@@ -38,7 +38,7 @@ from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.verdict import query_phase_statistics, task_verdict
 from phasekv.report.audit import _clusters
 
-AUDIT_PROMPTS_PER_PHASE = 128  # `phasekv audit --prompts-per-phase` default: 1,024 prompts per protocol and condition
+AUDIT_PROMPTS_PER_PHASE = 192  # `phasekv audit --prompts-per-phase` default: 1,536 prompts per protocol and condition
 BASE_ACCURACY = 0.6  # the reference model: 60% at every good phase
 EXAMPLE_SD, PAIR_SD = 0.5, 1.0  # random effects on the logit: examples and (example, target) pairs differ
 GAPS_PP = (5.0, 10.0, 15.0, 30.0)
