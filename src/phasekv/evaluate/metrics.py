@@ -34,7 +34,13 @@ What `summarize` computes, and why:
   `gap_crossfit_ci_pp`: percentile interval of the same estimator over the cluster bootstrap
   (each replicate's resampled clusters split into halves).  It is conservative: in the simulations
   above it covered the true gap in 98-100% of runs, and 0 in 100% of flat runs.  The test of "no
-  phase effect" is:
+  phase effect" is (the verdict's material rule reads the next statistic instead):
+* `contrast_crossfit_pp`: the selection-free phase contrast: the dip of the weakest residue group below the mean of
+  the upper half (or, when the best group stands further above the median than the worst falls below it, the peak of
+  the best above the lower half), chosen on one half of the clusters and measured on the other, averaged as above.
+  `contrast_crossfit_bounds_pp`: its 5th and 95th bootstrap percentiles (each a one-sided 95% bound),
+  `contrast_crossfit_se_pp` the bootstrap sd; each replicate splits the clusters and resamples each half from its
+  own clusters (a cluster in both halves would leak the choosing half's noise into the measurement).
 * `flatness_p`: a cluster-aware permutation test of H0 "accuracy is the same in every residue
   group".  Statistic: Pearson's chi-square of the R x 2 table.  Reference distribution: residue
   labels shuffled within each cluster, and label sets swapped between clusters of equal size.  Under
@@ -65,11 +71,7 @@ What `summarize` computes, and why:
   the largest absolute difference of group means and the largest relative difference of group
   variances, (max - min) / mean of the group variances.  The protocols match both so that depth
   effects cannot masquerade as phase effects; these numbers check that they did.
-* `query_phase_statistics` (the query protocol, target fixed and prompt length varied): all of the above and
-  the verdict with prompts grouped by the query position mod R, and `cross_phase_table`: accuracy per (source
-  phase, query phase) cell with Wilson intervals, both margins and the relative phase (query - target) mod S.
-  That protocol's statistics take the (cluster, target) pair as the cluster (`target_pairs`), and its source-phase
-  period criterion counts a pair once (`pair_period`).
+* The verdict on these statistics and the query phase's statistics live in `phasekv.evaluate.verdict`.
 """
 
 from __future__ import annotations
@@ -491,48 +493,3 @@ def _position_matching(position: np.ndarray, residue: np.ndarray, R: int) -> dic
 
 def _divisors(R: int) -> list[int]:
     return [d for d in range(1, R + 1) if R % d == 0]
-
-
-def accuracies(records: list[dict[str, Any]], stride: int, residue_modulus: int) -> dict[str, Any]:
-    """Overall, per-phase and per-residue accuracy (fractions; None for an empty group)."""
-    def grouped(key: str, size: int) -> list[float | None]:
-        k, n = np.zeros(size), np.zeros(size)
-        for r in records:
-            k[r[key]] += r["correct"]
-            n[r[key]] += 1
-        return [float(a / b) if b else None for a, b in zip(k, n)]
-
-    return {"accuracy": float(np.mean([r["correct"] for r in records])),
-            "per_phase": grouped("phase", stride), "per_residue": grouped("residue", residue_modulus)}
-
-
-def phase_bootstrap(record_sets: Sequence[Sequence[Mapping]], stride: int, n_boot: int = 1000,
-                    seed: int = 0) -> np.ndarray:
-    """Per-phase accuracies of several evaluations of the SAME prompts (clean, knocked out, cycled...)
-    under one cluster bootstrap: (n_boot, len(record_sets), stride), NaN for a phase a replicate misses.
-
-    Every replicate draws the clusters (logical examples) with replacement once and applies the draw
-    to every record set, so differences between the sets (relative changes, R^2 of one against
-    another) get intervals that respect both the pairing and the correlation inside an example.
-    """
-    clusters = [np.asarray([r["cluster"] for r in records]) for records in record_sets]
-    if any(len(c) != len(clusters[0]) or np.any(c != clusters[0]) for c in clusters):
-        raise ValueError("phase_bootstrap: the record sets must cover the same prompts in the same order")
-    ids, idx = np.unique(clusters[0], return_inverse=True)
-    phase = np.asarray([r["phase"] for r in record_sets[0]])
-    C = len(ids)
-    nc = np.bincount(idx * stride + phase, minlength=C * stride).reshape(C, stride).astype(float)
-    kc = np.stack([np.bincount(idx * stride + phase, weights=[float(r["correct"]) for r in records],
-                               minlength=C * stride).reshape(C, stride) for records in record_sets])  # (sets, C, S)
-    draws = np.random.default_rng(seed).multinomial(C, np.full(C, 1.0 / C), size=n_boot).astype(float)  # (b, C)
-    n = draws @ nc  # (b, S)
-    k = np.einsum("bc,xcs->bxs", draws, kc)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return k / n[:, None, :]
-
-
-def nan_interval(samples: np.ndarray) -> list[float] | None:
-    """95% percentile interval of the finite samples; None when fewer than 20 are finite."""
-    samples = np.asarray(samples, dtype=float)
-    samples = samples[np.isfinite(samples)]
-    return None if samples.size < 20 else [float(x) for x in np.percentile(samples, [2.5, 97.5])]

@@ -6,27 +6,28 @@ its number (the module constants; tests/test_verdict.py pins every one just insi
 1. can do the task: the mean's 95% lower bound exceeds CHANCE_FACTOR x the in-context chance (the accuracy of a
    model that copies a random value present in the prompt);
 2. phase-dependent: the cluster permutation test rejects flatness at FLATNESS_ALPHA;
-3. material: the dip (the mean of the upper half of the residue groups minus the weakest group, both chosen on
-   held-out clusters: `contrast_crossfit_pp`) has a one-sided 95% lower bound >= MATERIAL_GAP_PP, and the observed gap
-   exceeds the null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few
-   clusters to split there is no bound and no material effect.
+3. material: the phase contrast (`contrast_crossfit_pp`: a weak group's dip below the mean of the upper half of the
+   residue groups, or a lone strong group's peak above the lower half, the groups chosen on one half of the clusters
+   and measured on the other) has a one-sided 95% lower bound >= MATERIAL_GAP_PP, and the observed gap exceeds the
+   null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few clusters to
+   split there is no bound and no material effect.
 
 "phase sensitive: period P" needs all three; P is the divisor d > 1 of R whose binomial model has the lowest BIC
 (`verdict_period`): once the cluster-aware test has rejected flatness, the question is which period explains the
 curve, not whether it is flat, which BIC answers for independent prompts only and, at an audit's size, too
-conservatively (simulated in `phasekv.evaluate.power`: a 30 pp dip at one of 8 phases of 64 prompts each is
-period 1 by BIC in two runs of three).
+conservatively (BIC's d log N penalty outweighs a 30 pp dip at one of 8 phases of 64 prompts).
 
-Why the dip and a one-sided bound, not the best-minus-worst gap's two-sided interval: the paper's effect is a weak
-phase; the upper half of the groups is measured four to twelve times as precisely as the best group, so the
+Why the contrast and a one-sided bound, not the best-minus-worst gap's two-sided interval: the paper's effect is a
+weak phase; the upper half of the groups is measured four to twelve times as precisely as the best group, so the
 contrast's error is mostly the weak group's own, and "material" is a one-sided question (is the weak phase at
-least 10 pp down?).  The dip is never above the best-minus-worst gap, so the rule is no easier to pass for a curve
-with one good phase.  Simulated at the audit's default design (docs/power.md) the rule finds a 30 pp single-phase
-gap at 60% base far more often than the two-sided best-minus-worst rule did, at a false-positive rate below 1%.
+least 10 pp down?).  The contrast is never above the best-minus-worst gap.  Simulated with phasekv's own functions
+at the audit's design (docs/power.md, benchmarks/verdict_power.py), the verdict finds a 30 pp single-phase gap at
+60% base in 21% of runs at the old 64 prompts per phase and in >= 97% at AUDIT_PROMPTS_PER_PHASE = 192
+(`phasekv.evaluate.power`), with no false positive in 200 flat runs of any design.
 
 Absence of evidence is not flatness: every "no phase effect detected" and "not material" verdict carries
-`minimum_detectable_gap_pp`, the dip this run's design finds with DETECTION_POWER (`minimum_detectable_gap`), and
-says "small" only where the gap's upper bound (the percentile bootstrap of best minus worst, biased upward, so a
+`minimum_detectable_gap_pp`, the contrast this run's design finds with DETECTION_POWER (`minimum_detectable_gap`),
+and says "small" only where the gap's upper bound (the percentile bootstrap of best minus worst, biased upward, so a
 conservative upper bound) is below MATERIAL_GAP_PP.
 """
 
@@ -49,23 +50,23 @@ from phasekv.evaluate.metrics import (
 
 CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
 FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
-MATERIAL_GAP_PP = 10.0  # 3. material: the dip's one-sided 95% lower bound >= 10 pp AND the gap above the null's p95
-DETECTION_POWER = 0.80  # the minimum detectable gap is the dip found this often
+MATERIAL_GAP_PP = 10.0  # 3. material: the contrast's one-sided 95% lower bound >= 10 pp AND the gap above null p95
+DETECTION_POWER = 0.80  # the minimum detectable gap is the contrast found this often
 
 
 def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None, str]:
-    """(lower bound, [lower, upper] one-sided 95% bounds, name) of the dip the material rule trusts: the
-    selection-free cross-fitted dip, the only source (None, None when the run had too few clusters to split)."""
+    """(lower bound, [lower, upper] one-sided 95% bounds, name) of the contrast the material rule trusts: the
+    selection-free cross-fitted phase contrast, the only source (None, None with too few clusters to split)."""
     bounds = metrics.get("contrast_crossfit_bounds_pp")
     return (None if bounds is None else bounds[0]), bounds, "selection-free phase contrast"
 
 
 def minimum_detectable_gap(metrics: dict) -> float | None:
-    """The dip (pp) this run's design would call material with probability DETECTION_POWER, from its own bootstrap:
+    """The contrast (pp) this run's design would call material with probability DETECTION_POWER, from its own bootstrap:
     MATERIAL_GAP_PP + (z_0.95 + z_0.80) x sd of the cross-fitted dip (`contrast_crossfit_se_pp`, which reflects the
     run's prompts, clusters and accuracy).  The normal approximation of the material rule alone; the flatness test
     must reject as well, which at the default designs it does more often than the bound clears (checked against
-    the simulated power in benchmarks/verdict_power.py).  None without a bootstrap of the dip."""
+    the simulated power in benchmarks/verdict_power.py).  None without a bootstrap of the contrast."""
     se = metrics.get("contrast_crossfit_se_pp")
     if se is None:
         return None
