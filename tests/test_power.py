@@ -12,6 +12,7 @@ from phasekv.evaluate.power import (
     DESIGNS,
     SINGLE,
     Effect,
+    audit_design,
     conditional_logit,
     layout,
     simulate,
@@ -55,6 +56,11 @@ def test_the_cli_and_the_library_default_to_the_simulated_design():
     lay = layout(DESIGNS["audit-prefix"])
     assert len(lay["cluster"]) == 8 * AUDIT_PROMPTS_PER_PHASE
     assert np.all(np.bincount(lay["target_position"] % 8) == AUDIT_PROMPTS_PER_PHASE)
+    from phasekv.report.audit import _clusters
+
+    for protocol in ("prefix", "insequence", "query"):
+        for per_phase in (64, AUDIT_PROMPTS_PER_PHASE):
+            assert audit_design(protocol, per_phase).n_clusters == _clusters(per_phase, 2, protocol, 8)
 
 
 def test_the_simulated_accuracies_are_the_stated_ones_averaged_over_the_random_effects():

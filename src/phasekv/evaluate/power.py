@@ -36,7 +36,6 @@ from phasekv.data.protocols import build_eval_set
 from phasekv.data.vocab import Vocabulary
 from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.verdict import query_phase_statistics, task_verdict
-from phasekv.report.audit import _clusters
 
 AUDIT_PROMPTS_PER_PHASE = 192  # `phasekv audit --prompts-per-phase` default: 1,536 prompts per protocol and condition
 BASE_ACCURACY = 0.6  # the issue's reference model: 60% at every good phase
@@ -67,8 +66,12 @@ class Design:
 
 
 def audit_design(protocol: str, prompts_per_phase: int = AUDIT_PROMPTS_PER_PHASE) -> Design:
-    """`phasekv audit`'s design with 1-token keys and values (its cluster count: `report.audit._clusters`)."""
-    return Design(f"audit{prompts_per_phase}", protocol, 8, 8, 24, 4, _clusters(prompts_per_phase, 2, protocol, 8))
+    """`phasekv audit`'s design with 1-token keys and values: the fewest clusters, a multiple of g = gcd(record pitch,
+    8), giving `prompts_per_phase` per phase (8 / g each).  The same count as `report.audit._clusters`, which a
+    lower layer cannot import (tests/test_power.py checks that they agree)."""
+    g = math.gcd(2 + (protocol == "insequence"), 8)
+    clusters = math.ceil(math.ceil(prompts_per_phase / (8 // g)) / g) * g
+    return Design(f"audit{prompts_per_phase}", protocol, 8, 8, 24, 4, clusters)
 
 
 DESIGNS = {**{f"audit-{p}": audit_design(p) for p in ("prefix", "insequence", "query")},
