@@ -16,12 +16,16 @@ def rows(phases, n=600):
 
 
 def model(compressor="gated", window=8, stride=8, kv=1, mean=0.5, gap=50.0, phases=None, uniform=False,
-          shared=False, bytes_per_token=320.0, period=None, gap_ci=None, mean_ci=None, flatness_p=0.001, n=600):
+          shared=False, bytes_per_token=320.0, period=None, gap_ci=None, mean_ci=None, flatness_p=0.001, n=600,
+          null_p95=5.0):
     phases = phases if phases is not None else [mean] * (stride or 8)
+    period = period or stride or 1
+    scores = {str(d): 0.0 if d == period else 20.0 for d in range(1, (stride or 8) + 1) if (stride or 8) % d == 0}
     can = (mean_ci or [mean - 0.01])[0] > 2 * IN_CONTEXT
     prefix = {"mean_accuracy": mean, "mean_ci": mean_ci or [mean - 0.01, mean + 0.01], "max_gap_pp": gap,
               "gap_crossfit_pp": gap, "gap_crossfit_ci_pp": gap_ci or [gap - 2, gap + 2], "gap_ci_pp": [gap, gap + 2],
-              "detected_period": period or stride or 1, "flatness_p": flatness_p, "null_gap_p95_pp": 5.0,
+              "contrast_crossfit_pp": gap, "contrast_crossfit_bounds_pp": gap_ci or [gap - 2, gap + 2],
+              "detected_period": period, "period_scores": scores, "flatness_p": flatness_p, "null_gap_p95_pp": null_p95,
               "within_flatness_p": 0.001, "chance": 1 / 64, "in_context_chance": IN_CONTEXT, "can_do_task": can,
               "per_phase": rows(phases, n)}
     return {"compressor": compressor, "window": window if compressor != "none" else None,

@@ -212,3 +212,46 @@ def test_cochran_q_matches_the_textbook_formula_and_needs_a_complete_design():
     assert m["cochran_q"] == pytest.approx(q)
     incomplete = {k: np.asarray(v)[:-1] for k, v in records.items()}  # one cluster misses a residue
     assert summarize(incomplete, stride=8, n_boot=10, n_perm=50)["cochran_p"] is None
+
+
+def test_the_permutation_p_value_counts_the_observed_table():
+    """p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm): a curve no relabelling reaches gets 1 / (1 + n_perm), not 0."""
+    records = {"cluster": np.arange(400), "target_position": np.arange(400) % 2,
+               "correct": np.arange(400) % 2 == 0}  # right at every even position, wrong at every odd one
+    m = summarize(records, stride=2, residue_modulus=2, n_boot=50, n_perm=99)
+    assert m["flatness_p"] == pytest.approx(1 / 100, abs=1e-12)
+
+
+def test_the_null_gap_is_the_95th_percentile_of_the_relabelled_gaps():
+    """Singleton clusters, two groups of 200 and K correct: the relabelled gap |k1 - (K - k1)| / 200 is
+    hypergeometric, so its exact 95th percentile is known (the 90th lies ~1.6 pp lower)."""
+    from scipy.stats import hypergeom
+
+    rng = np.random.default_rng(3)
+    correct = rng.random(400) < 0.5
+    K = int(correct.sum())
+    records = {"cluster": np.arange(400), "target_position": np.arange(400) % 2, "correct": correct}
+    m = summarize(records, stride=2, residue_modulus=2, n_boot=50, n_perm=8000)
+    k1 = np.arange(0, 201)
+    gaps = 100 * np.abs(2 * k1 - K) / 200
+    pmf = hypergeom(400, K, 200).pmf(k1)
+    order = np.argsort(gaps)
+    cdf = np.cumsum(pmf[order])
+    q95, q90 = (gaps[order][np.searchsorted(cdf, q)] for q in (0.95, 0.90))
+    assert q95 - q90 >= 1.0
+    assert abs(m["null_gap_p95_pp"] - q95) <= 0.6
+
+
+def test_the_phase_contrast_bounds_are_one_sided_95_percent():
+    """bounds = 5th and 95th bootstrap percentiles: (upper - lower) / (2 sd) is z_0.95 = 1.64 (z_0.975 = 1.96 would
+    be the two-sided interval's); the contrast is the dip for a weak phase and the peak for a lone strong one."""
+    weak = summarize(shifted_records(phase_curve(8, fail=(7,), fail_acc=0.3, ok_acc=0.6), 300, 1), stride=8,
+                     n_boot=4000, n_perm=50)
+    low, high = weak["contrast_crossfit_bounds_pp"]
+    assert 1.5 < (high - low) / (2 * weak["contrast_crossfit_se_pp"]) < 1.8
+    assert weak["contrast_crossfit_pp"] == pytest.approx(30, abs=4)  # upper half (60%) minus the weak phase (30%)
+    lone = summarize(shifted_records(phase_curve(8, fail=(1, 2, 3, 4, 5, 6, 7), fail_acc=0.02, ok_acc=0.6), 48, 2),
+                     stride=8, n_boot=400, n_perm=50)
+    assert lone["contrast_crossfit_pp"] == pytest.approx(58, abs=8)  # the peak: 60% minus the lower half (2%)
+    flat = summarize(shifted_records(np.full(R, 0.6), 48, 3), stride=8, n_boot=400, n_perm=50)
+    assert flat["contrast_crossfit_bounds_pp"][0] < 0 < flat["contrast_crossfit_bounds_pp"][1]

@@ -12,15 +12,9 @@ import torch
 from phasekv import build_model
 from phasekv.data import Vocabulary, build_eval_set
 from phasekv.evaluate.adapter import ModelInfo, PhaseKVAdapter
-from phasekv.evaluate.metrics import (
-    cross_phase_table,
-    pair_period,
-    query_phase_statistics,
-    summarize,
-    target_pairs,
-    wilson_interval,
-)
+from phasekv.evaluate.metrics import summarize, wilson_interval
 from phasekv.evaluate.runner import evaluate, predict
+from phasekv.evaluate.verdict import cross_phase_table, pair_period, query_phase_statistics, target_pairs
 from phasekv.figures.evaluation import plot_cross_phase_heatmap
 from tests.helpers import PromptAdapter, bpe_tokenizer, tiny
 

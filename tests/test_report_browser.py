@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from phasekv.evaluate.metrics import summarize, task_verdict
+from phasekv.evaluate.metrics import summarize
+from phasekv.evaluate.verdict import task_verdict
 from phasekv.report.html import SECTIONS, write_report
 from tests.helpers import needs_real
 from tests.test_metrics import phase_curve, shifted_records

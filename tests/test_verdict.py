@@ -1,19 +1,39 @@
-"""The verdict of `metrics.task_verdict`: every rule has a case where it must say no.
+"""The verdict of `verdict.task_verdict`: every rule has a case where it must say no, and every threshold is pinned
+just inside and just outside its boundary (changing a constant breaks a test).
 
 Three parts: can the model do the task (against the in-context chance), is accuracy phase-dependent (flatness),
-is the effect material (gap lower bound >= MATERIAL_GAP_PP and above the null's 95th percentile); "phase
-sensitive" needs all three and a period > 1."""
+is the effect material (the selection-free dip's one-sided lower bound >= MATERIAL_GAP_PP and the gap above the
+null's 95th percentile); "phase sensitive" needs all three and names the best period > 1."""
 
 import numpy as np
 import pytest
 
 from phasekv.data.protocols import build_eval_set
 from phasekv.data.vocab import Vocabulary
-from phasekv.evaluate.metrics import CHANCE_FACTOR, MATERIAL_GAP_PP, summarize, task_verdict
+from phasekv.evaluate.metrics import summarize
+from phasekv.evaluate.verdict import (
+    CHANCE_FACTOR,
+    DETECTION_POWER,
+    FLATNESS_ALPHA,
+    MATERIAL_GAP_PP,
+    minimum_detectable_gap,
+    task_verdict,
+    verdict_period,
+)
 from phasekv.report.audit import compressed_verdict
 from tests.test_metrics import phase_curve, shifted_records
 
 CHANCE, IN_CONTEXT = 1 / 64, 0.04
+SCORES = {"1": 30.0, "2": 25.0, "4": 12.0, "8": 0.0}  # BIC differences: period 8
+NULL = {"period_scores": SCORES, "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
+        "contrast_crossfit_pp": 20.0}
+# a material effect, every part just inside its boundary; the tests move one number across it
+EDGE = {**NULL, "mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "max_gap_pp": 25.0,
+        "contrast_crossfit_bounds_pp": [MATERIAL_GAP_PP, 30.0]}
+
+
+def judged(**changes):
+    return task_verdict({**EDGE, **changes}, CHANCE, IN_CONTEXT)
 
 
 def verdict(residue_acc, n_clusters=60, seed=0, **kw):
@@ -53,8 +73,7 @@ def test_a_random_in_context_copier_cannot_do_the_task(protocol):
 def test_capability_gate_is_twice_the_in_context_chance():
     below = {"mean_accuracy": 0.075, "mean_ci": [0.07, 0.08]}  # 1.75 x the in-context chance
     above = {"mean_accuracy": 0.095, "mean_ci": [0.09, 0.10]}  # 2.25 x
-    base = {"flatness_p": 0.5, "detected_period": 1, "max_gap_pp": 2.0, "null_gap_p95_pp": 5.0,
-            "gap_crossfit_ci_pp": [-1.0, 3.0]}
+    base = {**NULL, "flatness_p": 0.5, "max_gap_pp": 2.0, "contrast_crossfit_bounds_pp": [-1.0, 3.0]}
     assert not task_verdict({**base, **below}, CHANCE, IN_CONTEXT)["can_do_task"]
     assert task_verdict({**base, **above}, CHANCE, IN_CONTEXT)["can_do_task"]
     assert task_verdict({**base, **above}, CHANCE, IN_CONTEXT)["verdict"].startswith("no phase effect detected")
@@ -64,6 +83,7 @@ def test_a_strong_periodic_curve_is_phase_sensitive_with_its_period():
     m, v = verdict(phase_curve(8, fail=(7,), fail_acc=0.05, ok_acc=0.9))
     assert v["phase_sensitive"] and v["verdict"].startswith("phase sensitive: period 8")
     assert v["verdict_parts"] == {"can_do_task": True, "phase_dependent": True, "material": True, "period": 8}
+    assert m["contrast_crossfit_bounds_pp"][0] >= MATERIAL_GAP_PP
     assert f"minimum {MATERIAL_GAP_PP:.0f}" in v["verdict"]
 
 
@@ -75,28 +95,6 @@ def test_a_near_flat_model_at_high_accuracy_has_no_material_effect():
     assert m["flatness_p"] < 0.05  # the dip is real ...
     assert not v["phase_sensitive"] and v["verdict"].startswith("a small phase effect, not material")
     assert v["verdict_parts"]["phase_dependent"] and not v["verdict_parts"]["material"]
-
-
-def test_a_gap_interval_reaching_below_the_minimum_is_not_material():
-    base = {"mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "detected_period": 8,
-            "max_gap_pp": 25.0, "null_gap_p95_pp": 8.0}
-    spans = task_verdict({**base, "gap_crossfit_ci_pp": [6.0, 30.0]}, CHANCE, IN_CONTEXT)
-    clear = task_verdict({**base, "gap_crossfit_ci_pp": [12.0, 30.0]}, CHANCE, IN_CONTEXT)
-    assert not spans["phase_sensitive"] and spans["verdict"].startswith("a small phase effect")
-    assert clear["phase_sensitive"]
-    # the gap must also beat the noise's 95th percentile
-    noisy = task_verdict({**base, "gap_crossfit_ci_pp": [12.0, 30.0], "null_gap_p95_pp": 26.0}, CHANCE, IN_CONTEXT)
-    assert not noisy["phase_sensitive"]
-    # the basic bootstrap interval decides when the cross-fit one is missing (too few clusters)
-    basic = task_verdict({**base, "gap_crossfit_ci_pp": None, "gap_ci_basic_pp": [4.0, 30.0]}, CHANCE, IN_CONTEXT)
-    assert not basic["phase_sensitive"]
-
-
-def test_period_one_is_never_phase_sensitive():
-    m = {"mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "detected_period": 1,
-         "max_gap_pp": 40.0, "null_gap_p95_pp": 8.0, "gap_crossfit_ci_pp": [20.0, 40.0]}
-    v = task_verdict(m, CHANCE, IN_CONTEXT)
-    assert not v["phase_sensitive"] and "without a period" in v["verdict"] and "period 1" not in v["verdict"][:20]
 
 
 def test_a_flat_model_is_not_phase_sensitive():
@@ -116,3 +114,57 @@ def test_compressed_condition_verdicts():
     assert compressed_verdict(dead, CHANCE, IN_CONTEXT)["verdict"].startswith("retrieval destroyed")
     flat = summarize(shifted_records(np.full(24, 0.7), 60, 2), stride=8, n_boot=200, n_perm=200)
     assert not compressed_verdict(flat, CHANCE, IN_CONTEXT)["phase_sensitive"]
+
+
+def test_every_part_is_pinned_at_its_boundary():
+    assert judged()["phase_sensitive"] and judged()["verdict"].startswith("phase sensitive: period 8")
+    # 1. the capability gate: the mean's lower bound strictly above CHANCE_FACTOR (2.0) x the in-context chance
+    gate = 2.0 * IN_CONTEXT
+    assert CHANCE_FACTOR == 2.0
+    assert judged(mean_ci=[gate + 1e-4, 0.55])["can_do_task"]
+    assert not judged(mean_ci=[gate, 0.55])["can_do_task"]
+    # 2. flatness rejected strictly below alpha = 0.05
+    assert FLATNESS_ALPHA == 0.05
+    assert judged(flatness_p=0.0499)["phase_sensitive"]
+    v = judged(flatness_p=0.05)
+    assert not v["phase_sensitive"] and v["verdict"].startswith("no phase effect detected")
+    # 3. material: the dip's lower bound at least 10 pp, and the gap strictly above the null's 95th percentile
+    assert MATERIAL_GAP_PP == 10.0
+    v = judged(contrast_crossfit_bounds_pp=[9.99, 30.0])
+    assert not v["phase_sensitive"] and v["verdict"].startswith("a phase effect, not shown material")
+    assert judged(max_gap_pp=8.01)["phase_sensitive"]
+    assert not judged(max_gap_pp=8.0)["phase_sensitive"]
+    # "small" only when the gap's upper bound is below the minimum
+    assert judged(contrast_crossfit_bounds_pp=[2.0, 9.0], gap_ci_pp=[3.0, 9.99])["verdict"].startswith("a small phase")
+    assert judged(contrast_crossfit_bounds_pp=[2.0, 9.0], gap_ci_pp=[3.0, 10.0])["verdict"].startswith(
+        "a phase effect, not shown material (it may be as large as 10 pp)")
+
+
+def test_the_selection_free_phase_contrast_is_the_only_source_of_the_material_bound():
+    """No other interval can make an effect material: not the basic bootstrap (selection-biased), not the
+    best-minus-worst cross-fit, and nothing when the dip could not be bounded (too few clusters)."""
+    others = {"gap_ci_basic_pp": [20.0, 40.0], "gap_crossfit_ci_pp": [20.0, 40.0], "gap_ci_pp": [20.0, 40.0]}
+    assert not judged(**others, contrast_crossfit_bounds_pp=[9.0, 30.0])["phase_sensitive"]
+    v = judged(**others, contrast_crossfit_bounds_pp=None, contrast_crossfit_se_pp=None, contrast_crossfit_pp=None)
+    assert not v["phase_sensitive"] and "could not bound the phase contrast" in v["verdict"]
+    assert v["minimum_detectable_gap_pp"] is None
+
+
+def test_the_period_is_the_best_divisor_above_one():
+    assert verdict_period({"period_scores": {"1": 0.0, "2": 9.0, "4": 3.0, "8": 3.0}}) == 4  # ties: the smaller
+    assert verdict_period({"period_scores": {"1": 0.0, "2": 9.0, "4": 3.0, "8": 2.9}}) == 8
+    assert verdict_period({"period_scores": {"1": 0.0}}) == 1
+    # BIC prefers "flat" (d = 1) for this curve, but the permutation test rejected flatness: the period is 4
+    assert judged(period_scores={"1": 0.0, "2": 9.0, "4": 3.0, "8": 5.0})["verdict"].startswith(
+        "phase sensitive: period 4")
+
+
+def test_the_minimum_detectable_gap_is_printed_with_every_absence():
+    mde = MATERIAL_GAP_PP + (1.6448536 + 0.8416212) * 4.0  # z_0.95 (one-sided 95% bound) + z_0.80 (power)
+    assert DETECTION_POWER == 0.80
+    assert minimum_detectable_gap({"contrast_crossfit_se_pp": 4.0}) == pytest.approx(mde, abs=1e-5)
+    for changes in ({"flatness_p": 0.5}, {"contrast_crossfit_bounds_pp": [2.0, 9.0], "gap_ci_pp": [3.0, 9.0]},
+                    {"contrast_crossfit_bounds_pp": [2.0, 19.0]}):
+        v = judged(**changes)
+        assert not v["phase_sensitive"] and f"finds 80% of the time: {mde:.0f} pp" in v["verdict"]
+        assert v["minimum_detectable_gap_pp"] == pytest.approx(mde, abs=1e-5)

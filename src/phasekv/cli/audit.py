@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
     p.add_argument("--records", type=int, default=24, help="records per prompt")
     p.add_argument("--demos", type=int, default=4, help="demonstrations per prompt")
-    p.add_argument("--prompts-per-phase", type=int, default=64)
+    p.add_argument("--prompts-per-phase", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")

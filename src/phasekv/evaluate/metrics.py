@@ -34,7 +34,13 @@ What `summarize` computes, and why:
   `gap_crossfit_ci_pp`: percentile interval of the same estimator over the cluster bootstrap
   (each replicate's resampled clusters split into halves).  It is conservative: in the simulations
   above it covered the true gap in 98-100% of runs, and 0 in 100% of flat runs.  The test of "no
-  phase effect" is:
+  phase effect" is (the verdict's material rule reads the next statistic instead):
+* `contrast_crossfit_pp`: the selection-free phase contrast: the dip of the weakest residue group below the mean of
+  the upper half (or, when the best group stands further above the median than the worst falls below it, the peak of
+  the best above the lower half), chosen on one half of the clusters and measured on the other, averaged as above.
+  `contrast_crossfit_bounds_pp`: its 5th and 95th bootstrap percentiles (each a one-sided 95% bound),
+  `contrast_crossfit_se_pp` the bootstrap sd; each replicate splits the clusters and resamples each half from its
+  own clusters (a cluster in both halves would leak the choosing half's noise into the measurement).
 * `flatness_p`: a cluster-aware permutation test of H0 "accuracy is the same in every residue
   group".  Statistic: Pearson's chi-square of the R x 2 table.  Reference distribution: residue
   labels shuffled within each cluster, and label sets swapped between clusters of equal size.  Under
@@ -65,11 +71,7 @@ What `summarize` computes, and why:
   the largest absolute difference of group means and the largest relative difference of group
   variances, (max - min) / mean of the group variances.  The protocols match both so that depth
   effects cannot masquerade as phase effects; these numbers check that they did.
-* `query_phase_statistics` (the query protocol, target fixed and prompt length varied): all of the above and
-  the verdict with prompts grouped by the query position mod R, and `cross_phase_table`: accuracy per (source
-  phase, query phase) cell with Wilson intervals, both margins and the relative phase (query - target) mod S.
-  That protocol's statistics take the (cluster, target) pair as the cluster (`target_pairs`), and its source-phase
-  period criterion counts a pair once (`pair_period`).
+* The verdict on these statistics and the query phase's statistics live in `phasekv.evaluate.verdict`.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
 FIELDS = ("cluster", "target_position", "correct")
+CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule)
 _CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
 
 Records = Sequence[Mapping] | Mapping[str, ArrayLike]
@@ -135,12 +138,15 @@ def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
 
 
 def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,  # long: the
-              seed: int = 0, n_perm: int = 2000) -> dict:  # metrics.json schema is one flat literal, read at a glance
+              seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict:  # metrics.json schema is one flat
+    # literal, read at a glance
     """All statistics of one evaluation as a JSON-ready dict of plain Python values (floats to 10 decimals).
 
     records: a sequence of mappings, or a mapping of parallel arrays, with at least the fields
     `cluster`, `target_position`, `correct`.  The bootstrap and the permutation test draw from
     independent streams spawned from `seed`, so the same input and seed give identical output.
+    within=False leaves out the within-example test (None), which no verdict reads: half the permutation cost, for
+    the simulations of `phasekv.evaluate.power`.
     Raises ValueError for bad fields, a modulus that is not a multiple of the stride, or empty
     residue groups.
     """
@@ -160,15 +166,17 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     if len(empty):
         raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
     cluster_ids, cluster_idx = np.unique(cluster, return_inverse=True)
-    boot_rng, perm_rng, split_rng, within_rng = (np.random.default_rng(s)
-                                                 for s in np.random.SeedSequence(seed).spawn(4))
+    boot_rng, perm_rng, split_rng, within_rng, contrast_rng = (np.random.default_rng(s)
+                                                               for s in np.random.SeedSequence(seed).spawn(5))
 
     mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
     kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
-    crossfit = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
+    contrast_reps = _split_bootstrap(kc, nc, n_boot, contrast_rng)
+    crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
     flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
-    within_p, _ = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)
+    within_p = (_flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)[0] if within
+                else None)
     period, scores = detect_period(k, n)
     k_phase, n_phase = k.reshape(R // S, S).sum(0), n.reshape(R // S, S).sum(0)
     acc, acc_phase = k / n, k_phase / n_phase
@@ -187,6 +195,8 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "phase_gap_ci_basic_pp": _basic_gap_ci(phase_gap, boot[2]),
         "gap_crossfit_pp": crossfit,
         "gap_crossfit_ci_pp": _percentile_ci(boot[3]) if crossfit is not None and boot[3].size else None,
+        "contrast_crossfit_pp": contrast,
+        **_contrast_bounds(contrast, contrast_reps),
         "best_residue": int(np.argmax(acc)),
         "worst_residue": int(np.argmin(acc)),
         "best_phase": int(np.argmax(acc_phase)),
@@ -265,32 +275,61 @@ def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray,
     return np.nanmean(acc, -1), gap, phase_gap
 
 
-def _crossfit_gap(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
-    """Gap (pp) of the groups chosen best / worst on half a, measured on half b, and vice versa.
+def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
+    """Selection-free contrasts (pp) of groups chosen on half a and measured on half b, and vice versa, averaged:
+    [..., 0] best minus worst group; [..., 1] the phase contrast: the dip (the mean of the upper half of the groups
+    minus the worst) or, when the best group stands further above the median than the worst falls below it (a lone
+    strong phase), the peak (the best minus the mean of the lower half); chosen on one half, measured on the other.
 
-    Counts of shape (..., R).  Groups empty in the choosing half are skipped; a gap whose chosen
-    group is empty in the measuring half is nan.
+    Counts of shape (..., R); result (..., 2).  Groups empty in the choosing half are skipped; a contrast whose
+    chosen groups are empty in the measuring half is nan.
     """
     def one_way(k_sel, n_sel, k_eval, n_eval):
         acc_sel = np.divide(k_sel, n_sel, out=np.full(k_sel.shape, np.nan), where=n_sel > 0)
         acc_eval = np.divide(k_eval, n_eval, out=np.full(k_eval.shape, np.nan), where=n_eval > 0)
-        best, worst = np.nanargmax(acc_sel, -1)[..., None], np.nanargmin(acc_sel, -1)[..., None]
-        return (np.take_along_axis(acc_eval, best, -1) - np.take_along_axis(acc_eval, worst, -1))[..., 0]
+        order = np.argsort(np.where(np.isnan(acc_sel), np.inf, -acc_sel), -1)  # best first, empty groups last
+        seen = np.count_nonzero(~np.isnan(acc_sel), -1)[..., None]
+        rank = np.arange(acc_sel.shape[-1])
+        half = (seen + 1) // 2
+        upper, lower = rank < half, (rank >= seen - half) & (rank < seen)  # (..., R) masks over the order
+        first, last = rank == 0, rank == seen - 1
+
+        def contrast(acc, high, low):
+            ordered = np.take_along_axis(acc, order, -1)
+            return _masked_mean(ordered, high) - _masked_mean(ordered, low)
+
+        # a lone strong group stands further above the median than the weakest falls below it (the median, not
+        # the halves' means: a half holding the weak groups would otherwise make a weak phase look like a peak)
+        ordered = np.take_along_axis(acc_sel, order, -1)
+        median = np.nanmedian(np.where(rank < seen, ordered, np.nan), -1)
+        peak = ordered[..., 0] - median > median - np.take_along_axis(ordered, seen - 1, -1)[..., 0]
+        phase = np.where(peak, contrast(acc_eval, first, lower), contrast(acc_eval, upper, last))
+        return np.stack([contrast(acc_eval, first, last), phase], -1)
 
     return 50 * (one_way(k_a, n_a, k_b, n_b) + one_way(k_b, n_b, k_a, n_a))
 
 
-def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator, n_splits: int = 20):
-    """Cross-fitted gap (pp) averaged over random half-splits of the clusters; None if < 2 clusters."""
+def _masked_mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of the finite values where `mask` is set; nan where there are none."""
+    keep = mask & ~np.isnan(values)
+    count = np.count_nonzero(keep, -1)
+    return np.divide(np.where(keep, values, 0.0).sum(-1), count, out=np.full(count.shape, np.nan), where=count > 0)
+
+
+def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
+                       n_splits: int = 20) -> list[float | None]:
+    """Both cross-fitted contrasts of `_crossfit_gaps` (pp) averaged over random half-splits of the clusters;
+    None where there are < 2 clusters or no split measured it."""
     C = kc.shape[0]
     if C < 2:
-        return None
+        return [None, None]
     gaps = []
     for _ in range(n_splits):
         perm = rng.permutation(C)
         a, b = perm[: C // 2], perm[C // 2 :]
-        gaps.append(_crossfit_gap(kc[a].sum(0), nc[a].sum(0), kc[b].sum(0), nc[b].sum(0)))
-    return None if np.all(np.isnan(gaps)) else float(np.nanmean(gaps))
+        gaps.append(_crossfit_gaps(kc[a].sum(0), nc[a].sum(0), kc[b].sum(0), nc[b].sum(0)))
+    gaps = np.asarray(gaps)  # (splits, 2)
+    return [None if np.all(np.isnan(g)) else float(np.nanmean(g)) for g in gaps.T]
 
 
 def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
@@ -313,12 +352,35 @@ def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
                   for d in (draws[:, : C // 2], draws[:, C // 2 :])]  # (b, C) multiplicity of each cluster
         weights = halves[0] + halves[1]
         stats = _curve_stats(weights @ kc, weights @ nc, stride)
-        crossfit = (_crossfit_gap(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc) if C > 1
+        crossfit = (_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 0] if C > 1
                     else np.full(b, np.nan))
         parts.append((*stats, crossfit))
     reps = [np.concatenate(p) for p in zip(*parts)]
     reps[3] = reps[3][~np.isnan(reps[3])]
     return tuple(reps)
+
+
+def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """Replicates of the cross-fitted phase contrast (pp, nan dropped; empty for < 2 clusters): each replicate
+    splits the clusters into halves and resamples each half with replacement from its own clusters.  Drawing both
+    halves from all clusters (as the gap's bootstrap does) puts ~15% of the clusters in both halves, so the
+    choosing half's noise leaks into the measuring half: in simulation a flat curve's lower bound sat above 0."""
+    C = kc.shape[0]
+    if C < 2:
+        return np.empty(0)
+    chunk = max(1, _CHUNK_ELEMENTS // C)
+    parts = []
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        perm = rng.permuted(np.tile(np.arange(C), (b, 1)), axis=1)  # (b, C): a random split per replicate
+        offset = C * np.arange(b)[:, None]
+        halves = []
+        for part in (perm[:, : C // 2], perm[:, C // 2 :]):
+            draws = np.take_along_axis(part, rng.integers(0, part.shape[1], part.shape), 1)  # within the half
+            halves.append(np.bincount((draws + offset).ravel(), minlength=b * C).reshape(b, C).astype(float))
+        parts.append(_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 1])
+    reps = np.concatenate(parts)
+    return reps[~np.isnan(reps)]
 
 
 def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -395,6 +457,15 @@ def _percentile_ci(samples: np.ndarray) -> list[float]:
     return [float(low), float(high)]
 
 
+def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
+    """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound)
+    and `contrast_crossfit_se_pp` (the bootstrap's sd); None without a contrast or with < 20 finite replicates."""
+    if dip is None or samples.size < 20:
+        return {"contrast_crossfit_bounds_pp": None, "contrast_crossfit_se_pp": None}
+    return {"contrast_crossfit_bounds_pp": [float(x) for x in np.percentile(samples, CONTRAST_BOUND_PERCENTILES)],
+            "contrast_crossfit_se_pp": float(samples.std(ddof=1))}
+
+
 def _basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:
     """Basic bootstrap interval of a gap in pp: reflects the percentiles around the estimate."""
     low, high = np.percentile(samples, [2.5, 97.5])
@@ -422,197 +493,3 @@ def _position_matching(position: np.ndarray, residue: np.ndarray, R: int) -> dic
 
 def _divisors(R: int) -> list[int]:
     return [d for d in range(1, R + 1) if R % d == 0]
-
-
-def accuracies(records: list[dict[str, Any]], stride: int, residue_modulus: int) -> dict[str, Any]:
-    """Overall, per-phase and per-residue accuracy (fractions; None for an empty group)."""
-    def grouped(key: str, size: int) -> list[float | None]:
-        k, n = np.zeros(size), np.zeros(size)
-        for r in records:
-            k[r[key]] += r["correct"]
-            n[r[key]] += 1
-        return [float(a / b) if b else None for a, b in zip(k, n)]
-
-    return {"accuracy": float(np.mean([r["correct"] for r in records])),
-            "per_phase": grouped("phase", stride), "per_residue": grouped("residue", residue_modulus)}
-
-
-def phase_bootstrap(record_sets: Sequence[Sequence[Mapping]], stride: int, n_boot: int = 1000,
-                    seed: int = 0) -> np.ndarray:
-    """Per-phase accuracies of several evaluations of the SAME prompts (clean, knocked out, cycled...)
-    under one cluster bootstrap: (n_boot, len(record_sets), stride), NaN for a phase a replicate misses.
-
-    Every replicate draws the clusters (logical examples) with replacement once and applies the draw
-    to every record set, so differences between the sets (relative changes, R^2 of one against
-    another) get intervals that respect both the pairing and the correlation inside an example.
-    """
-    clusters = [np.asarray([r["cluster"] for r in records]) for records in record_sets]
-    if any(len(c) != len(clusters[0]) or np.any(c != clusters[0]) for c in clusters):
-        raise ValueError("phase_bootstrap: the record sets must cover the same prompts in the same order")
-    ids, idx = np.unique(clusters[0], return_inverse=True)
-    phase = np.asarray([r["phase"] for r in record_sets[0]])
-    C = len(ids)
-    nc = np.bincount(idx * stride + phase, minlength=C * stride).reshape(C, stride).astype(float)
-    kc = np.stack([np.bincount(idx * stride + phase, weights=[float(r["correct"]) for r in records],
-                               minlength=C * stride).reshape(C, stride) for records in record_sets])  # (sets, C, S)
-    draws = np.random.default_rng(seed).multinomial(C, np.full(C, 1.0 / C), size=n_boot).astype(float)  # (b, C)
-    n = draws @ nc  # (b, S)
-    k = np.einsum("bc,xcs->bxs", draws, kc)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return k / n[:, None, :]
-
-
-def nan_interval(samples: np.ndarray) -> list[float] | None:
-    """95% percentile interval of the finite samples; None when fewer than 20 are finite."""
-    samples = np.asarray(samples, dtype=float)
-    samples = samples[np.isfinite(samples)]
-    return None if samples.size < 20 else [float(x) for x in np.percentile(samples, [2.5, 97.5])]
-
-
-# The verdict (docs/science.md section 3, "Chance levels and the verdict") has three parts, each with its number:
-CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
-FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
-MATERIAL_GAP_PP = 10.0  # 3. material: the gap's lower bound >= 10 pp AND the gap above the null's 95th percentile
-
-
-def material_gap_bound(metrics: dict) -> tuple[float, list[float] | None, str]:
-    """(lower bound, interval, name) of the gap a verdict trusts: the selection-free cross-fit gap's 95%
-    interval (conservative: it covered the true gap in 98-100% of simulated runs, see the module doc), else
-    the basic bootstrap interval (too few clusters to split)."""
-    ci = metrics.get("gap_crossfit_ci_pp")
-    if ci is not None:
-        return ci[0], ci, "selection-free gap"
-    ci = metrics["gap_ci_basic_pp"]
-    return ci[0], ci, "gap (basic bootstrap)"
-
-
-def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable: bool | None = None) -> dict:
-    """`chance`, `in_context_chance`, `can_do_task`, `phase_sensitive`, `verdict_parts` and a one-line `verdict` for a
-    summary of `summarize`.
-
-    chance: the format's 1 / |answer tokens|; in_context_chance: the accuracy of a model that copies a uniformly
-    random value present in the prompt (`EvalSet.in_context_chance`), the baseline the capability gate uses.
-    "phase sensitive: period P" needs all three parts (module constants) and P > 1; otherwise the verdict says
-    which part is missing.  A model that cannot do the task says nothing about phase: no flatness or period claim.
-    `capable`: the model passed the gate in another condition (a compressed cache of a model that does the task
-    uncompressed): a collapse to chance at most phases is then the finding, so the phase parts are judged even when
-    this condition's mean is below the gate, and a condition below it at every phase says "retrieval destroyed".
-    """
-    mean, low = metrics["mean_accuracy"], metrics["mean_ci"][0]
-    able = low > CHANCE_FACTOR * in_context_chance
-    judged = able if capable is None else capable
-    dependent = judged and metrics["flatness_p"] < FLATNESS_ALPHA
-    bound, ci, gap_name = material_gap_bound(metrics)
-    material = dependent and bound >= MATERIAL_GAP_PP and metrics["max_gap_pp"] > metrics["null_gap_p95_pp"]
-    period = metrics["detected_period"]
-    sensitive = material and period > 1
-    tail = (f"accuracy {100 * mean:.1f}%, in-context chance {100 * in_context_chance:.1f}%, format chance "
-            f"{100 * chance:.1f}%")
-    gap = (f"gap {metrics['max_gap_pp']:.1f} pp, {gap_name} {_interval(ci)} pp (minimum {MATERIAL_GAP_PP:.0f}), "
-           f"null 95th percentile {metrics['null_gap_p95_pp']:.1f} pp, flatness p = {metrics['flatness_p']:.3g}")
-    if sensitive:
-        verdict = f"phase sensitive: period {period}, {gap} ({tail})"
-    elif not judged:
-        verdict = f"cannot do the task ({tail}): no phase verdict"
-    elif not able:
-        verdict = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
-    elif not dependent:
-        verdict = f"no phase effect detected: {gap} ({tail})"
-    elif not material:
-        verdict = f"a small phase effect, not material: {gap} ({tail})"
-    else:
-        verdict = f"a material phase effect without a period (detected period 1): {gap} ({tail})"
-    parts = {"can_do_task": bool(able), "phase_dependent": bool(dependent), "material": bool(material),
-             "period": int(period) if judged else None}
-    return {"chance": round(float(chance), 10), "in_context_chance": round(float(in_context_chance), 10),
-            "can_do_task": bool(able), "phase_sensitive": bool(sensitive), "verdict_parts": parts, "verdict": verdict}
-
-
-def _interval(ci: list[float] | None) -> str:
-    return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
-
-
-# The query phase (the query protocol of `phasekv.data.protocols`): the target's position is held fixed and the
-# prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
-
-def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
-                           in_context_chance: float, judge=task_verdict, n_boot: int = 2000,
-                           seed: int = 0) -> dict[str, Any]:
-    """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
-    against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's
-    position, the same rules on the other coordinate (its `position_matching` is of the query position); and
-    `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
-
-    The unit is the (cluster, record) pair (`target_pairs`): the protocol shows every pair once at every query
-    residue, a complete block design, so the permutation test shuffles each pair's own shifts (an exact test of
-    "the answers do not depend on the query position", and Cochran's Q is defined), and differences between
-    pairs, which are the same in every group, do not swamp it as they do when whole examples are shuffled."""
-    if any("query_position" not in r or "record" not in r for r in records):
-        raise ValueError("records lack the field 'query_position' or 'record' (predictions of "
-                         "phasekv.evaluate.runner.predict)")
-    pairs = target_pairs(records)
-    regrouped = {"cluster": [r["cluster"] for r in pairs], "correct": [r["correct"] for r in records],
-                 "target_position": [r["query_position"] for r in records]}
-    query = summarize(regrouped, stride, residue_modulus, n_boot=n_boot, seed=seed)
-    query.update(judge(query, chance, in_context_chance))
-    return {"query_phase": query, "cross": cross_phase_table(records, stride)}
-
-
-def target_pairs(records: Sequence[Mapping]) -> list[dict[str, Any]]:
-    """`records` with `cluster` replaced by an id of its (cluster, record) pair: the unit of the query protocol's
-    source-phase statistics.  There a target keeps its source phase at every shift, so a source-phase group holds
-    its own pairs, each at every shift; resampling and permuting whole examples would count a pair's repeats as
-    independent evidence (an easy pair in one group looks like a phase effect), while pairs are exchangeable
-    between groups under "accuracy does not depend on the source phase"."""
-    ids: dict[tuple[Any, Any], int] = {}
-    return [{**r, "cluster": ids.setdefault((r["cluster"], r["record"]), len(ids))} for r in records]
-
-
-def pair_period(records: Sequence[Mapping], residue_modulus: int) -> dict[str, Any]:
-    """`detected_period` and `period_scores` of the source-phase curve when every (cluster, record) pair is shown
-    at several shifts with its source phase fixed (the query protocol): `detect_period` on the residue counts
-    divided by the shows per pair, one unit of evidence per pair.  BIC's likelihood treats prompts as independent
-    and a pair's repeats are not: counted as prompts, a period-8 curve of a few pairs per residue reads as period
-    24.  Conservative where a pair's answers vary with the shift."""
-    R = int(residue_modulus)
-    residue = np.asarray([r["target_position"] for r in records], dtype=np.int64) % R
-    correct = np.asarray([float(r["correct"]) for r in records])
-    shows = len(records) / len({(r["cluster"], r["record"]) for r in records})
-    k, n = _group_counts(residue, correct, R)
-    period, scores = detect_period(k / shows, n / shows)
-    return _rounded({"detected_period": period, "period_scores": {str(d): v for d, v in scores.items()},
-                     "period_criterion": "BIC of binomial model with accuracy depending on residue mod d, one unit "
-                                         "of evidence per (cluster, target) pair"})
-
-
-def cross_phase_table(records: Sequence[Mapping], stride: int) -> dict[str, Any]:
-    """The cross design: accuracy per (source phase, query phase) cell, source phase = target_position mod S and
-    query phase = query_position mod S, with Wilson 95% intervals; both margins (`per_phase`, `per_query_phase`);
-    and `per_relative_phase`, (query - target position) mod S, the coordinate of a kernel that chunks the cache
-    from the end of the prompt.  A cell without prompts has n = 0 and accuracy None."""
-    if not isinstance(stride, int | np.integer) or stride < 1:
-        raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    if len(records) == 0:
-        raise ValueError("records is empty")
-    S = int(stride)
-    target = np.asarray([r["target_position"] for r in records], dtype=np.int64)
-    query = np.asarray([r["query_position"] for r in records], dtype=np.int64)
-    correct = np.asarray([float(r["correct"]) for r in records])
-    k, n = _group_counts((target % S) * S + query % S, correct, S * S)
-    cells = [{"phase": p, "query_phase": q, **_cell(k[p * S + q], n[p * S + q])} for p in range(S) for q in range(S)]
-    k, n = k.reshape(S, S), n.reshape(S, S)  # (source phase, query phase)
-    relative = _group_counts((query - target) % S, correct, S)
-    return _rounded({
-        "stride": S, "n_prompts": len(correct), "cells": cells,
-        "per_phase": [{"phase": p, **_cell(k[p].sum(), n[p].sum())} for p in range(S)],
-        "per_query_phase": [{"query_phase": q, **_cell(k[:, q].sum(), n[:, q].sum())} for q in range(S)],
-        "per_relative_phase": [{"relative_phase": d, **_cell(relative[0][d], relative[1][d])} for d in range(S)],
-    })
-
-
-def _cell(k: float, n: float) -> dict[str, Any]:
-    """n, n_correct, accuracy and Wilson 95% interval of one group (None for an empty group)."""
-    if n == 0:
-        return {"n": 0, "n_correct": 0, "accuracy": None, "ci_low": None, "ci_high": None}
-    low, high = wilson_interval(k, n)
-    return {"n": int(n), "n_correct": int(k), "accuracy": float(k / n), "ci_low": low, "ci_high": high}

@@ -27,8 +27,9 @@ from phasekv import distributed
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import pair_period, query_phase_statistics, summarize, target_pairs, task_verdict
+from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.sources import Source, batch_size, open_source
+from phasekv.evaluate.verdict import pair_period, query_phase_statistics, target_pairs, task_verdict
 from phasekv.figures.evaluation import plot_accuracy_by_residue, plot_cross_phase_heatmap
 from phasekv.outputs import check_output_dir, output_dir
 

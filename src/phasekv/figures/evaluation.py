@@ -145,11 +145,11 @@ def plot_phase_heatmap(curves: dict[str, dict], path: str | Path, title: str | N
 
 
 def plot_cross_phase_heatmap(cross: dict, path: str | Path, title: str | None = None) -> Path:
-    """The cross design (the `cross` dict of `phasekv.evaluate.metrics.cross_phase_table`): accuracy per source
+    """The cross design (the `cross` dict of `phasekv.evaluate.verdict.cross_phase_table`): accuracy per source
     phase (rows) x query phase (columns) cell, each with its n, and the margins in an extra row and column (the
     corner: all prompts); an empty cell stays grey; returns the written path."""
     if "cells" not in cross or "stride" not in cross:
-        raise ValueError("cross dict lacks 'cells' or 'stride'; pass the output of metrics.cross_phase_table")
+        raise ValueError("cross dict lacks 'cells' or 'stride'; pass the output of verdict.cross_phase_table")
     S = int(cross["stride"])
     grid = np.full((S + 1, S + 1), np.nan)  # (source phase + margin, query phase + margin), accuracy %
     counts = np.zeros((S + 1, S + 1), dtype=int)

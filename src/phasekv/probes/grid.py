@@ -20,7 +20,7 @@ from phasekv.compression import compressors_of, shifted_windows
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import accuracies
+from phasekv.evaluate.profiles import accuracies
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.probes.output import write_result

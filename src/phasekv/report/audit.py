@@ -40,9 +40,9 @@ from phasekv.config import PROTOCOLS
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.data.protocols import build_eval_set
 from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.metrics import task_verdict
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.selection import selection_mechanism
+from phasekv.evaluate.verdict import task_verdict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
 from phasekv.outputs import output_dir
 from phasekv.report.html import STYLE, _img, _pct, comparison_table, query_phase_table
@@ -101,7 +101,7 @@ def _evaluate(adapter: Adapter, eval_set, out: Path, batch_size: int, seed: int,
 def run_audit(adapter: Adapter, tokenizer: Any, out: str | Path, fmt: str = "records",
               conditions: tuple[str, ...] = ("none", "select:3+keep-first:1", "mean+keep-first:1"),
               window: int = 8, stride: int = 8, local_window: int = 16, n_records: int = 24, n_demos: int = 4,
-              prompts_per_phase: int = 64, seed: int = 0, batch_size: int = 16, force: bool = False,
+              prompts_per_phase: int = 192, seed: int = 0, batch_size: int = 16, force: bool = False,
               progress: bool = True, protocols: tuple[str, ...] = PROTOCOLS, chat: bool = False,
               reference: Adapter | None = None) -> dict[str, Any]:
     """Audit `adapter` (a transformers model, or an `EndpointAdapter`) under each condition; publish OUT atomically.

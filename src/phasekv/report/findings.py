@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from phasekv.evaluate.metrics import CHANCE_FACTOR, MATERIAL_GAP_PP, material_gap_bound
+from phasekv.evaluate.verdict import CHANCE_FACTOR, FLATNESS_ALPHA, MATERIAL_GAP_PP, material_gap_bound, verdict_period
 
 FULL_FLAT_PP = 6.1  # the paper's largest full-attention phase gap
 W8S8_WORST_PCT = 20.0  # the paper's W8/S8 worst phases: 5.7% (1 KV), 9.9% (8 KV)
@@ -124,10 +124,15 @@ def _curve(p: dict[str, Any]) -> str:
 
 
 def _gap(p: dict[str, Any]) -> tuple[float, list[float] | None]:
-    """The selection-free gap a verdict trusts and its interval (pp)."""
-    _, ci, _ = material_gap_bound(p)
+    """The selection-free (cross-fitted) best-minus-worst gap and its 95% interval (pp): flatness and orderings."""
     value = p.get("gap_crossfit_pp")
-    return (p["max_gap_pp"] if value is None else value), ci
+    return (p["max_gap_pp"] if value is None else value), p.get("gap_crossfit_ci_pp")
+
+
+def _dip(p: dict[str, Any]) -> tuple[float | None, list[float] | None]:
+    """The dip the verdict's material rule trusts and its one-sided 95% bounds (pp): `verdict.material_gap_bound`."""
+    _, bounds, _ = material_gap_bound(p)
+    return p.get("contrast_crossfit_pp"), bounds
 
 
 def _mean(p: dict[str, Any]) -> tuple[float, list[float] | None]:
@@ -170,34 +175,44 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
     why = _unable(p)
     if why:
         return "inconclusive", why
-    _, ci = _gap(p)
-    if p["flatness_p"] >= 0.05:
+    _, bounds = _dip(p)
+    if p["flatness_p"] >= FLATNESS_ALPHA:
         return "fails", None
-    material = judge(ci, MATERIAL_GAP_PP)
+    material = judge(bounds, MATERIAL_GAP_PP)
     if material != "holds":
-        return material, None if material == "fails" else "inconclusive: the gap's interval spans the minimum"
-    return ("holds" if p["detected_period"] == stride else "fails"), None
+        return material, None if material == "fails" else "inconclusive: the phase contrast's bounds span the minimum"
+    if p["max_gap_pp"] <= p["null_gap_p95_pp"]:
+        return "fails", None
+    return ("holds" if verdict_period(p) == stride else "fails"), None
+
+
+def _dip_text(p: dict[str, Any]) -> str:
+    value, bounds = _dip(p)
+    if value is None:
+        return "phase contrast not bounded (too few clusters)"
+    return f"phase contrast {value:.1f} pp {_ci(bounds)}"
 
 
 def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None, extra: str = "") -> dict[str, Any]:
     p, stride = m["prefix"], m["stride"]
-    value, ci = _gap(p)
+    value, bounds = _dip(p)
     status, why = phase_status(p, stride)
     return _finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
-                    f"can do the task, flatness rejected at 5%, selection-free gap's interval >= {MATERIAL_GAP_PP:.0f}"
-                    f" pp, detected period = {stride}",
-                    f"mean {100 * p['mean_accuracy']:.1f}%, gap {value:.1f} pp {_ci(ci)}, period "
-                    f"{p['detected_period']}, flatness p = {p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value,
-                    ci, MATERIAL_GAP_PP, why)
+                    f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free phase contrast's "
+                    f"one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, gap above the null's 95th percentile, "
+                    f"period = {stride}",
+                    f"mean {100 * p['mean_accuracy']:.1f}%, gap {p['max_gap_pp']:.1f} pp (null 95th percentile "
+                    f"{p['null_gap_p95_pp']:.1f}), {_dip_text(p)}, period {verdict_period(p)}, flatness p = "
+                    f"{p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value, bounds, MATERIAL_GAP_PP, why)
 
 
 def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
-    value, ci = _gap(p)
+    value, bounds = _dip(p)
     why = _unable(p)
     return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
-                    f"selection-free gap's 95% interval >= {MATERIAL_GAP_PP:.0f} pp, for a model that can do the task",
-                    f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
-                    "inconclusive" if why else judge(ci, MATERIAL_GAP_PP), value, ci, MATERIAL_GAP_PP, why)
+                    f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a "
+                    "model that can do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
+                    "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, bounds, MATERIAL_GAP_PP, why)
 
 
 def _phase_ci(row: dict[str, Any]) -> list[float]:

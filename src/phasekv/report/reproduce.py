@@ -61,7 +61,8 @@ METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_cross
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
                "in_context_chance", "can_do_task", "phase_sensitive", "verdict_parts", "verdict", "gap_ci_basic_pp",
-               "within_flatness_p", "cochran_p", "n_clusters")
+               "within_flatness_p", "cochran_p", "n_clusters", "contrast_crossfit_pp", "contrast_crossfit_bounds_pp",
+               "contrast_crossfit_se_pp", "minimum_detectable_gap_pp")
 
 
 def discover(checkpoints: Path, names: list[str] | None = None) -> dict[str, Path]:

@@ -1,0 +1,225 @@
+"""The verdict on a phase curve (docs/science.md section 3, "Chance levels and the verdict"), and the query phase.
+
+`task_verdict` turns the statistics of `phasekv.evaluate.metrics.summarize` into one line.  Three parts, each with
+its number (the module constants; tests/test_verdict.py pins every one just inside and just outside its boundary):
+
+1. can do the task: the mean's 95% lower bound exceeds CHANCE_FACTOR x the in-context chance (the accuracy of a
+   model that copies a random value present in the prompt);
+2. phase-dependent: the cluster permutation test rejects flatness at FLATNESS_ALPHA;
+3. material: the phase contrast (`contrast_crossfit_pp`: a weak group's dip below the mean of the upper half of the
+   residue groups, or a lone strong group's peak above the lower half, the groups chosen on one half of the clusters
+   and measured on the other) has a one-sided 95% lower bound >= MATERIAL_GAP_PP, and the observed gap exceeds the
+   null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few clusters to
+   split there is no bound and no material effect.
+
+"phase sensitive: period P" needs all three; P is the divisor d > 1 of R whose binomial model has the lowest BIC
+(`verdict_period`): once the cluster-aware test has rejected flatness, the question is which period explains the
+curve, not whether it is flat, which BIC answers for independent prompts only and, at an audit's size, too
+conservatively (BIC's d log N penalty outweighs a 30 pp dip at one of 8 phases of 64 prompts).
+
+Why the contrast and a one-sided bound, not the best-minus-worst gap's two-sided interval: the paper's effect is a
+weak phase; the upper half of the groups is measured four to twelve times as precisely as the best group, so the
+contrast's error is mostly the weak group's own, and "material" is a one-sided question (is the weak phase at
+least 10 pp down?).  The contrast is never above the best-minus-worst gap.  Simulated with phasekv's own functions
+at the audit's design (docs/power.md, benchmarks/verdict_power.py), the verdict finds a 30 pp single-phase gap at
+60% base in 21% of runs at the old 64 prompts per phase and in >= 97% at AUDIT_PROMPTS_PER_PHASE = 192
+(`phasekv.evaluate.power`), with no false positive in 200 flat runs of any design.
+
+Absence of evidence is not flatness: every "no phase effect detected" and "not material" verdict carries
+`minimum_detectable_gap_pp`, the contrast this run's design finds with DETECTION_POWER (`minimum_detectable_gap`),
+and says "small" only where the gap's upper bound (the percentile bootstrap of best minus worst, biased upward, so a
+conservative upper bound) is below MATERIAL_GAP_PP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from scipy.stats import norm
+
+from phasekv.evaluate.metrics import (
+    CONTRAST_BOUND_PERCENTILES,
+    _group_counts,
+    _rounded,
+    detect_period,
+    summarize,
+    wilson_interval,
+)
+
+CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
+FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
+MATERIAL_GAP_PP = 10.0  # 3. material: the contrast's one-sided 95% lower bound >= 10 pp AND the gap above null p95
+DETECTION_POWER = 0.80  # the minimum detectable gap is the contrast found this often
+
+
+def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None, str]:
+    """(lower bound, [lower, upper] one-sided 95% bounds, name) of the contrast the material rule trusts: the
+    selection-free cross-fitted phase contrast, the only source (None, None with too few clusters to split)."""
+    bounds = metrics.get("contrast_crossfit_bounds_pp")
+    return (None if bounds is None else bounds[0]), bounds, "selection-free phase contrast"
+
+
+def minimum_detectable_gap(metrics: dict) -> float | None:
+    """The contrast (pp) this run's design would call material with probability DETECTION_POWER, from its own bootstrap:
+    MATERIAL_GAP_PP + (z_0.95 + z_0.80) x sd of the cross-fitted dip (`contrast_crossfit_se_pp`, which reflects the
+    run's prompts, clusters and accuracy).  The normal approximation of the material rule alone; the flatness test
+    must reject as well, which at the default designs it does more often than the bound clears (checked against
+    the simulated power in benchmarks/verdict_power.py).  None without a bootstrap of the contrast."""
+    se = metrics.get("contrast_crossfit_se_pp")
+    if se is None:
+        return None
+    z_bound = norm.ppf(1 - CONTRAST_BOUND_PERCENTILES[0] / 100)
+    return float(MATERIAL_GAP_PP + (z_bound + norm.ppf(DETECTION_POWER)) * se)
+
+
+def verdict_period(metrics: dict) -> int:
+    """The period the verdict names: the divisor d > 1 of R with the lowest BIC in `period_scores` (ties to the
+    smaller d); 1 when R = 1."""
+    scores = {int(d): s for d, s in metrics["period_scores"].items() if int(d) > 1}
+    if not scores:
+        return 1
+    best = min(scores.values())
+    return min(d for d, s in scores.items() if s <= best + 1e-9)
+
+
+def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable: bool | None = None) -> dict:
+    """`chance`, `in_context_chance`, `can_do_task`, `phase_sensitive`, `verdict_parts`, `minimum_detectable_gap_pp`
+    and a one-line `verdict` for a summary of `summarize`.
+
+    chance: the format's 1 / |answer tokens|; in_context_chance: the accuracy of a model that copies a uniformly
+    random value present in the prompt (`EvalSet.in_context_chance`), the baseline the capability gate uses.
+    "phase sensitive: period P" needs all three parts (module doc); otherwise the verdict says which part is
+    missing.  A model that cannot do the task says nothing about phase: no flatness or period claim.
+    `capable`: the model passed the gate in another condition (a compressed cache of a model that does the task
+    uncompressed): a collapse to chance at most phases is then the finding, so the phase parts are judged even when
+    this condition's mean is below the gate, and a condition below it at every phase says "retrieval destroyed".
+    """
+    mean, low = metrics["mean_accuracy"], metrics["mean_ci"][0]
+    able = low > CHANCE_FACTOR * in_context_chance
+    judged = able if capable is None else capable
+    dependent = judged and metrics["flatness_p"] < FLATNESS_ALPHA
+    bound, bounds, dip_name = material_gap_bound(metrics)
+    material = (dependent and bound is not None and bound >= MATERIAL_GAP_PP
+                and metrics["max_gap_pp"] > metrics["null_gap_p95_pp"])
+    period = verdict_period(metrics)
+    mde = minimum_detectable_gap(metrics)
+    upper = metrics["gap_ci_pp"][1]
+    tail = (f"accuracy {100 * mean:.1f}%, in-context chance {100 * in_context_chance:.1f}%, format chance "
+            f"{100 * chance:.1f}%")
+    dip = metrics.get("contrast_crossfit_pp")
+    gap = (f"gap {metrics['max_gap_pp']:.1f} pp (upper bound {upper:.1f}), {dip_name} "
+           f"{'-' if dip is None else f'{dip:.1f}'} pp, one-sided 95% bounds {_interval(bounds)} pp (minimum "
+           f"{MATERIAL_GAP_PP:.0f}), null 95th percentile {metrics['null_gap_p95_pp']:.1f} pp, flatness p = "
+           f"{metrics['flatness_p']:.3g}")
+    detectable = ("; this run could not bound the phase contrast (too few clusters)" if mde is None else
+                  f"; the smallest gap this run finds {100 * DETECTION_POWER:.0f}% of the time: {mde:.0f} pp")
+    if material:
+        verdict = f"phase sensitive: period {period}, {gap} ({tail})"
+    elif not judged:
+        verdict = f"cannot do the task ({tail}): no phase verdict"
+    elif not able:
+        verdict = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
+    elif not dependent:
+        verdict = f"no phase effect detected: {gap}{detectable} ({tail})"
+    elif upper < MATERIAL_GAP_PP:
+        verdict = f"a small phase effect, not material: {gap}{detectable} ({tail})"
+    else:
+        verdict = (f"a phase effect, not shown material (it may be as large as {upper:.0f} pp): {gap}{detectable} "
+                   f"({tail})")
+    parts = {"can_do_task": bool(able), "phase_dependent": bool(dependent), "material": bool(material),
+             "period": int(period) if judged else None}
+    return {"chance": round(float(chance), 10), "in_context_chance": round(float(in_context_chance), 10),
+            "can_do_task": bool(able), "phase_sensitive": bool(material), "verdict_parts": parts,
+            "minimum_detectable_gap_pp": None if mde is None else round(mde, 10), "verdict": verdict}
+
+
+def _interval(ci: list[float] | None) -> str:
+    return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+
+
+# The query phase (the query protocol of `phasekv.data.protocols`): the target's position is held fixed and the
+# prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
+
+def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
+                           in_context_chance: float, judge=task_verdict, n_boot: int = 2000,
+                           seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict[str, Any]:
+    """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
+    against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's
+    position, the same rules on the other coordinate (its `position_matching` is of the query position); and
+    `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
+
+    The unit is the (cluster, record) pair (`target_pairs`): the protocol shows every pair once at every query
+    residue, a complete block design, so the permutation test shuffles each pair's own shifts (an exact test of
+    "the answers do not depend on the query position", and Cochran's Q is defined), and differences between
+    pairs, which are the same in every group, do not swamp it as they do when whole examples are shuffled."""
+    if any("query_position" not in r or "record" not in r for r in records):
+        raise ValueError("records lack the field 'query_position' or 'record' (predictions of "
+                         "phasekv.evaluate.runner.predict)")
+    pairs = target_pairs(records)
+    regrouped = {"cluster": [r["cluster"] for r in pairs], "correct": [r["correct"] for r in records],
+                 "target_position": [r["query_position"] for r in records]}
+    query = summarize(regrouped, stride, residue_modulus, n_boot=n_boot, seed=seed, n_perm=n_perm, within=within)
+    query.update(judge(query, chance, in_context_chance))
+    return {"query_phase": query, "cross": cross_phase_table(records, stride)}
+
+
+def target_pairs(records: Sequence[Mapping]) -> list[dict[str, Any]]:
+    """`records` with `cluster` replaced by an id of its (cluster, record) pair: the unit of the query protocol's
+    source-phase statistics.  There a target keeps its source phase at every shift, so a source-phase group holds
+    its own pairs, each at every shift; resampling and permuting whole examples would count a pair's repeats as
+    independent evidence (an easy pair in one group looks like a phase effect), while pairs are exchangeable
+    between groups under "accuracy does not depend on the source phase"."""
+    ids: dict[tuple[Any, Any], int] = {}
+    return [{**r, "cluster": ids.setdefault((r["cluster"], r["record"]), len(ids))} for r in records]
+
+
+def pair_period(records: Sequence[Mapping], residue_modulus: int) -> dict[str, Any]:
+    """`detected_period` and `period_scores` of the source-phase curve when every (cluster, record) pair is shown
+    at several shifts with its source phase fixed (the query protocol): `detect_period` on the residue counts
+    divided by the shows per pair, one unit of evidence per pair.  BIC's likelihood treats prompts as independent
+    and a pair's repeats are not: counted as prompts, a period-8 curve of a few pairs per residue reads as period
+    24.  Conservative where a pair's answers vary with the shift."""
+    R = int(residue_modulus)
+    residue = np.asarray([r["target_position"] for r in records], dtype=np.int64) % R
+    correct = np.asarray([float(r["correct"]) for r in records])
+    shows = len(records) / len({(r["cluster"], r["record"]) for r in records})
+    k, n = _group_counts(residue, correct, R)
+    period, scores = detect_period(k / shows, n / shows)
+    return _rounded({"detected_period": period, "period_scores": {str(d): v for d, v in scores.items()},
+                     "period_criterion": "BIC of binomial model with accuracy depending on residue mod d, one unit "
+                                         "of evidence per (cluster, target) pair"})
+
+
+def cross_phase_table(records: Sequence[Mapping], stride: int) -> dict[str, Any]:
+    """The cross design: accuracy per (source phase, query phase) cell, source phase = target_position mod S and
+    query phase = query_position mod S, with Wilson 95% intervals; both margins (`per_phase`, `per_query_phase`);
+    and `per_relative_phase`, (query - target position) mod S, the coordinate of a kernel that chunks the cache
+    from the end of the prompt.  A cell without prompts has n = 0 and accuracy None."""
+    if not isinstance(stride, int | np.integer) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    if len(records) == 0:
+        raise ValueError("records is empty")
+    S = int(stride)
+    target = np.asarray([r["target_position"] for r in records], dtype=np.int64)
+    query = np.asarray([r["query_position"] for r in records], dtype=np.int64)
+    correct = np.asarray([float(r["correct"]) for r in records])
+    k, n = _group_counts((target % S) * S + query % S, correct, S * S)
+    cells = [{"phase": p, "query_phase": q, **_cell(k[p * S + q], n[p * S + q])} for p in range(S) for q in range(S)]
+    k, n = k.reshape(S, S), n.reshape(S, S)  # (source phase, query phase)
+    relative = _group_counts((query - target) % S, correct, S)
+    return _rounded({
+        "stride": S, "n_prompts": len(correct), "cells": cells,
+        "per_phase": [{"phase": p, **_cell(k[p].sum(), n[p].sum())} for p in range(S)],
+        "per_query_phase": [{"query_phase": q, **_cell(k[:, q].sum(), n[:, q].sum())} for q in range(S)],
+        "per_relative_phase": [{"relative_phase": d, **_cell(relative[0][d], relative[1][d])} for d in range(S)],
+    })
+
+
+def _cell(k: float, n: float) -> dict[str, Any]:
+    """n, n_correct, accuracy and Wilson 95% interval of one group (None for an empty group)."""
+    if n == 0:
+        return {"n": 0, "n_correct": 0, "accuracy": None, "ci_low": None, "ci_high": None}
+    low, high = wilson_interval(k, n)
+    return {"n": int(n), "n_correct": int(k), "accuracy": float(k / n), "ci_low": low, "ci_high": high}

@@ -1,0 +1,81 @@
+"""Error rates and power of the default verdict, simulated on the real prompt designs (phasekv.evaluate.power)."""
+
+import argparse
+import inspect
+
+import numpy as np
+import pytest
+from scipy.stats import beta
+
+from phasekv.evaluate.power import (
+    AUDIT_PROMPTS_PER_PHASE,
+    DESIGNS,
+    SINGLE,
+    Effect,
+    audit_design,
+    conditional_logit,
+    layout,
+    simulate,
+    verdict_class,
+    verdict_rates,
+)
+
+REPLICATES = 60  # reduced; the Monte Carlo error is taken into account by one-sided 95% Clopper-Pearson bounds
+
+
+def upper_bound(k, n):
+    return 1.0 if k == n else float(beta.ppf(0.95, k + 1, n - k))
+
+
+def lower_bound(k, n):
+    return 0.0 if k == 0 else float(beta.ppf(0.05, k, n - k + 1))
+
+
+def test_the_audit_default_has_at_most_5_percent_false_positives_and_80_percent_power_at_30_pp():
+    """At `phasekv audit`'s default design (prefix padding) a flat 60% model is called phase sensitive at most 5% of
+    the time and a model with one phase 30 pp lower at least 80% of the time, both at 95% confidence."""
+    design = DESIGNS["audit-prefix"]
+    flat = verdict_rates(design, Effect(), REPLICATES, seed=1, n_boot=200, n_perm=200)
+    weak = verdict_rates(design, Effect(30.0, SINGLE), REPLICATES, seed=1, n_boot=200, n_perm=200)
+    assert upper_bound(flat["counts"]["sensitive"], REPLICATES) <= 0.05, flat
+    assert lower_bound(weak["counts"]["sensitive"], REPLICATES) >= 0.80, weak
+    # the absence verdicts printed the smallest gap they could have found, and it is below the 30 pp found here
+    assert flat["median_mde_pp"] is not None and 10 < flat["median_mde_pp"] < 30
+
+
+def test_the_cli_and_the_library_default_to_the_simulated_design():
+    from phasekv.cli import audit as cli_audit
+    from phasekv.report.audit import run_audit
+
+    assert inspect.signature(run_audit).parameters["prompts_per_phase"].default == AUDIT_PROMPTS_PER_PHASE
+    parser = argparse.ArgumentParser()
+    cli_audit.add_parser(parser.add_subparsers())
+    action = next(a for a in parser._subparsers._group_actions[0].choices["audit"]._actions
+                  if a.dest == "prompts_per_phase")
+    assert action.default == AUDIT_PROMPTS_PER_PHASE
+    lay = layout(DESIGNS["audit-prefix"])
+    assert len(lay["cluster"]) == 8 * AUDIT_PROMPTS_PER_PHASE
+    assert np.all(np.bincount(lay["target_position"] % 8) == AUDIT_PROMPTS_PER_PHASE)
+    from phasekv.report.audit import _clusters
+
+    for protocol in ("prefix", "insequence", "query"):
+        for per_phase in (64, AUDIT_PROMPTS_PER_PHASE):
+            assert audit_design(protocol, per_phase).n_clusters == _clusters(per_phase, 2, protocol, 8)
+
+
+def test_the_simulated_accuracies_are_the_stated_ones_averaged_over_the_random_effects():
+    mu = conditional_logit(np.array([0.6, 0.3]), 1.2)
+    z = np.random.default_rng(0).normal(0, 1.2, 400_000)
+    np.testing.assert_allclose([np.mean(1 / (1 + np.exp(-(m + z)))) for m in mu], [0.6, 0.3], atol=3e-3)
+    design = DESIGNS["audit-query"]
+    correct = simulate(design, Effect(30.0, SINGLE), 200, np.random.default_rng(1))  # (replicates, prompts)
+    phase = layout(design)["query_position"] % 8  # the query protocol's effect sits on the query phase
+    assert correct[:, phase == 7].mean() == pytest.approx(0.3, abs=0.02)
+    assert correct[:, phase != 7].mean() == pytest.approx(0.6, abs=0.02)
+
+
+def test_every_verdict_opening_has_a_class():
+    assert verdict_class("phase sensitive: period 8, gap ...") == "sensitive"
+    assert verdict_class("a phase effect, not shown material (it may be as large as 20 pp): ...") == "unresolved"
+    with pytest.raises(ValueError, match="no class"):
+        verdict_class("a material phase effect without a period")
