@@ -23,8 +23,9 @@ each context out again with one factor changed (the others held):
 
 For each variant it prints the accuracy, the residue gap (max - min, pp), the selection-free cross-fitted gap with
 its cluster-bootstrap 95% interval, the flatness p-value and the accuracy of the last `--tail` records against the
-others, and with `--out` writes DIR/VARIANT.jsonl (one record per prompt: the runner's fields plus lead, post
-and mid).  `--by-post` adds, for the last records, accuracy by post-filler count (bins of 4).
+others (and the residue gap of the others), and with `--out` writes DIR/VARIANT.jsonl (one record per prompt: the
+runner's fields plus lead, post and mid).  `--by-post` adds, for the last records, accuracy by post-filler count
+(bins of 4).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from phasekv.data.lookup import assemble, filler_tokens
-from phasekv.data.protocols import Context, EvalSet, Query
+from phasekv.data.protocols import Context, EvalSet
 from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, eval_config, open_source
@@ -104,15 +105,19 @@ def _interval(ci) -> str:
 
 
 def report(name: str, records: list[dict], eval_set: EvalSet, tail: int, n_boot: int) -> str:
-    """One line: accuracy, gap, cross-fitted gap [95%], flatness p, worst / best residue, last records vs others."""
+    """One line: accuracy, gap, cross-fitted gap [95%], flatness p, worst / best residue, last records vs others
+    (and the others' residue gap, pp)."""
     m = summarize(records, eval_set.stride, eval_set.residue_modulus, n_boot=n_boot, n_perm=n_boot)
     first_tail = eval_set.settings["n_records"] - tail
     last = [r["correct"] for r in records if r["record"] >= first_tail]
     rest = [r["correct"] for r in records if r["record"] < first_tail]
+    by_residue = [[r["correct"] for r in records if r["record"] < first_tail and r["residue"] == g]
+                  for g in range(eval_set.residue_modulus)]
+    rest_gap = 100 * (max(map(np.mean, by_residue)) - min(map(np.mean, by_residue)))
     return (f"{name:11s} acc {100 * m['mean_accuracy']:5.1f}  gap {m['max_gap_pp']:5.1f}  crossfit "
             f"{m['gap_crossfit_pp']:5.1f} {_interval(m['gap_crossfit_ci_pp']):14s} flat p {m['flatness_p']:.4f}  "
             f"worst r{m['worst_residue']:<2d} best r{m['best_residue']:<2d}  last {tail} records "
-            f"{100 * np.mean(last):5.1f}  others {100 * np.mean(rest):5.1f}")
+            f"{100 * np.mean(last):5.1f}  others {100 * np.mean(rest):5.1f} (their gap {rest_gap:4.1f})")
 
 
 def by_post(records: list[dict], first_tail: int, n_records: int) -> list[str]:
