@@ -84,3 +84,11 @@ def test_full_1kv_pattern_goes_with_the_fillers_after_the_records():
               for line in out.splitlines() if "crossfit" in line}
     assert bounds["prefix"][0] > 5  # a residue gap under prefix padding
     assert bounds["no-post"][1] < 5  # none with the same targets and no fillers after the records
+
+
+def test_post_only_and_lead_fixed_hold_every_target_and_vary_only_the_post_fillers(factors, prefix):
+    for variant, extra in (("post-only", 0), ("lead-fixed", 12)):
+        held, counts = factors.relayout(prefix, variant)
+        for q, old, (lead, post, mid) in zip(held.queries(), prefix.queries(), counts, strict=True):
+            assert q.target_position == old.target_position - old.shift + extra  # the shift-0 position
+            assert post == q.shift and mid == 0 and lead == q.cluster % 2 + extra
