@@ -242,3 +242,26 @@ def test_query_protocol_with_needle_pitch_and_few_clusters(vocab):
     assert all(p.ids[p.query.target_position:p.query.target_position + 2] == list(p.query.key) == p.ids[-2:]
                and p.ids[p.query.target_position + 2] == p.query.answer for p in prompts)
     assert "query at position" in s.describe(0) and f"position {queries[0].query_position}" in s.describe(0)
+
+
+def _post_fillers(context, n_demos):
+    """Fillers between the last record and the first demonstration (1-token keys and values)."""
+    return len(context.ids) - 2 * n_demos - (context.record_positions[-1] + 2)
+
+
+def test_prefix_balances_post_fillers_per_group_but_ties_them_to_the_residue_within_a_record(vocab):
+    """What prefix padding can and cannot balance (module docstring, "What prefix padding cannot balance"): the
+    fillers after the records have the same mean in every residue group, but for one record the residue fixes
+    their number (up to the 0 / 24 wrap), so a model whose retrieval of some records depends on them shows a
+    residue pattern (docs/full1kv.md)."""
+    eval_set = build_eval_set(vocab, "prefix", n_records=32, n_demos=8, stride=8)
+    by_group, by_record_residue = defaultdict(list), defaultdict(set)
+    for context in eval_set.contexts:
+        post = _post_fillers(context, 8)
+        assert post == 24 - (context.record_positions[0] - 1)  # lead + post = the 24 fillers of every prompt
+        for q in context.queries:
+            by_group[q.residue].append(post)
+            by_record_residue[(q.record, q.residue)].add(post)
+    assert len({(len(g), sum(g)) for g in by_group.values()}) == 1  # equal sizes and sums: equal means, exactly
+    assert all(max(v) - min(v) in (0, 24) for v in by_record_residue.values())
+    assert len({frozenset(v) for (i, _), v in by_record_residue.items() if i == 31}) > 1  # it varies with r

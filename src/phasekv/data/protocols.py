@@ -81,6 +81,18 @@ every record and follow the last one.  Each prose piece belongs to its record's 
 (+ gap)) and record 0's piece to the lead, so everything above holds unchanged: prefix padding shifts
 the whole haystack, in-sequence fillers fall between the pieces, never inside one.
 
+What prefix padding cannot balance.  With the query position fixed, the f + s fillers before the records and the
+E - f - s after them (before the demonstrations) add up to E, and for one record the residue fixes s (r = base + s
+mod R): the residue and the number of fillers after the records are one variable.  Their mean is equal in every
+group (the groups hold the same pairs at equal mean depth), but no choice of targets or weights makes the pairs
+(record, fillers after the records) alike across groups, so a model whose retrieval of SOME records depends on
+that number shows a residue pattern, periodic in R, that is no phase effect.  It is a layout effect: training with
+outer fillers (`DataConfig.outer_max` >= E) puts the layout in distribution.  Measured on the bundled full-1kv
+(trained with outer_max = 0): its last six records fail once fillers push them 12 or more tokens before the first
+demonstration, which gives its prefix residue gap; the same examples with the fillers moved after the
+demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/full1kv.md,
+scripts/layout_factors.py).
+
 Local window: every target record ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
 leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
