@@ -7,7 +7,7 @@ renders the committed summary again and compares.  The generated part sits betwe
 audits, engines, presses) is kept as written.
 
     python scripts/results_doc.py runs/demo                       # the generated part, on stdout
-    python scripts/results_doc.py runs/demo --update docs/results.md --keep docs/runs/demo-summary.json   # make results
+    python scripts/results_doc.py runs/demo --update docs/results.md --keep docs/summaries/demo.json  # make results
 
 `--keep` stores the fields the document reads (`trim`) beside it, so the document can be regenerated, and
 checked, without the run directory.  Timings are left out of the generated part: summary.json does not record
@@ -38,8 +38,7 @@ THEORY_FIELDS = {"theorem1": ("n_optimal", "n_assignments", "optimal_all_adjacen
                              "best_nonadjacent_loss", "beta_scan"),
                  "theorem2": ("runs", "min_pk_all_runs", "min_pv_all_runs", "collision_rate"),
                  "retrieval": ("all_runs_top1_covered", "all_runs_top1_uncovered")}
-MODEL_FIELDS = ("compressor", "window", "stride", "kv_heads", "layers", "architecture", "family", "val_loss",
-                "cache_bytes_per_token")
+MODEL_FIELDS = ("compressor", "window", "stride", "kv_heads", "layers", "architecture", "token_selection", "val_loss")
 
 
 def _pct(x: float | None, digits: int = 1) -> str:
@@ -71,8 +70,10 @@ def verdict_head(verdict: str | None) -> str:
 
 
 def shape(m: dict[str, Any]) -> str:
-    """'gated W8/S8, 1 KV x 2 layers' or 'full, 4 KV x 2 layers': what a model is, from summary.json's facts."""
-    kind = m["compressor"] if m.get("compressor") not in (None, "none") else "full"
+    """'gated W8/S8, 1 KV x 2 layers', 'full, 4 KV x 2 layers' or 'token top-k, 8 KV x 2 layers': what a model is,
+    from summary.json's facts."""
+    kind = ("token top-k" if m.get("token_selection") else
+            m["compressor"] if m.get("compressor") not in (None, "none") else "full")
     grid = f" W{m['window']}/S{m['stride']}" if m.get("window") else ""
     return f"{kind}{grid}, {m['kv_heads']} KV x {m['layers']} layers"
 
@@ -80,7 +81,7 @@ def shape(m: dict[str, Any]) -> str:
 def findings_section(found: list[dict[str, Any]]) -> list[str]:
     """Every claim `reproduce` tests: the paper's number, the measured one and its status."""
     rows = [[f["claim"], f.get("paper", ""), f["measured"],
-             f["status"] + (f" ({f['why']})" if f["status"] == "inconclusive" and f.get("why") else "")]
+             f.get("why", f["status"]) if f["status"] == "inconclusive" else f["status"]]  # the why names it
             for f in found]
     return ["### Findings", "", f"{count_line(found)}. A finding holds when the 95% interval of its measured "
             "quantity lies on the claimed side of the threshold, fails when it lies on the other side, and is "
@@ -95,7 +96,8 @@ def models_section(models: dict[str, dict[str, Any]], protocol: str) -> list[str
         p = m.get(protocol)
         if not p:
             continue
-        rows.append([name, shape(m), "-" if m.get("val_loss") is None else f"{m['val_loss']:.3f}",
+        val = "-" if m.get("val_loss") is None else f"{m['val_loss']:.3f}"
+        rows.append([name, m.get("architecture", "-"), shape(m), val,
                      f"{_pct(p['mean_accuracy'])} {_interval(p['mean_ci'], 100)}",
                      _pct(min(r["accuracy"] for r in p["per_residue"])), f"{p['max_gap_pp']:.1f}",
                      _interval(p.get("gap_crossfit_ci_pp")), p["detected_period"], _p(p["flatness_p"]),
@@ -106,8 +108,9 @@ def models_section(models: dict[str, dict[str, Any]], protocol: str) -> list[str
             f"Prompts per model: {', '.join(map(str, n_prompts))}. Accuracy in %, gaps in points; the gap is best "
             "minus worst residue group (position mod 24), the selection-free interval is the cross-fitted one; "
             "p-values at 0.0005 are the permutation floor 1/2001.", "",
-            *table(["model", "shape", "val loss", "mean [95% CI]", "worst residue", "gap", "selection-free gap",
-                    "period", "flatness p", "within-example p", "accuracy per phase", "verdict"], rows), ""]
+            *table(["model", "class", "shape", "val loss", "mean [95% CI]", "worst residue", "gap",
+                    "selection-free gap", "period", "flatness p", "within-example p", "accuracy per phase",
+                    "verdict"], rows), ""]
 
 
 def fixes_section(fixes: list[dict[str, Any]]) -> list[str]:
@@ -238,6 +241,8 @@ def trim(summary: dict[str, Any]) -> dict[str, Any]:
         for protocol in PROTOCOL_TITLES:
             if m.get(protocol):
                 kept[protocol] = {k: m[protocol][k] for k in METRIC_FIELDS if k in m[protocol]}
+                for curve in ("per_phase", "per_residue"):  # the tables read only each group's accuracy
+                    kept[protocol][curve] = [{"accuracy": r["accuracy"]} for r in m[protocol][curve]]
         if (m.get("knockout") or {}).get("rows"):
             kept["knockout"] = {"rows": [{k: r[k] for k in ("layer", "kv_head", "mean_rel_change_pct")}
                                          for r in m["knockout"]["rows"]]}
