@@ -84,3 +84,9 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# docs/results.md's generated part, rendered from make demo's runs/demo/summary.json; the fields it reads are kept in
+# docs/summaries/demo.json, which tests/test_results_doc.py renders again and compares with the document
+.PHONY: results
+results: $(STAMP)
+	@$(PY) scripts/results_doc.py runs/demo --update docs/results.md --keep docs/summaries/demo.json
