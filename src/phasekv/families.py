@@ -2,7 +2,7 @@
 
 Everything above this module sees "a causal LM": `build(config)` makes one, `logits(model, ids)`
 runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` serve the knockouts
-(`phasekv.evaluate.adapter`), and compressors, if any, are found by type
+(`phasekv.adapters`), and compressors, if any, are found by type
 (`phasekv.compression.compressors_of`).  Two families exist:
 
   phasekv       `PhaseKVForCausalLM` from a `ModelConfig` (full, sliding or compressed layers)

@@ -25,9 +25,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from phasekv.adapters.base import Adapter
 from phasekv.archs import architecture_of
 from phasekv.compression import Compressor
-from phasekv.evaluate.adapter import Adapter
 
 
 class QueryOnly(Adapter):
