@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from phasekv.archs import architecture_of, geometry_of
-from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in evaluate/presses.py)
+from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in adapters/presses.py)
 from phasekv.config import ModelConfig, TransformersModelConfig
 from phasekv.indexer import indexers_of
 from phasekv.model import PhaseKVForCausalLM, build_model
