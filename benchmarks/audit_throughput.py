@@ -4,7 +4,7 @@ byte-level BPE tokenizer of the tests) and, when `make real-model` has fetched i
 `phasekv audit --hf` loads it: the GGUF file dequantized to float32).
 
 Multi-query (`phasekv.evaluate.runner.predict`): contexts are prefilled once and each context's queries, packed in
-one row, read the prefilled cache in place (`phasekv.evaluate.adapter`); one-by-one: one forward per full prompt,
+one row, read the prefilled cache in place (`phasekv.adapters`); one-by-one: one forward per full prompt,
 `--batch-size` prompts at a time, the LM head at the last position only.  Two workloads, both with prefix padding:
 
   needle    the needle format, its prose between needles sized to the length: contexts share nothing but
@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))  # tests.helpers: the tiny model and tokenizer bui
 
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE, bpe_tokenizer, tiny_causal_lm  # noqa: E402
 
+from phasekv.adapters.hf import HFAdapter  # noqa: E402
 from phasekv.data.formats import FORMATS, FormatVocabulary  # noqa: E402
 from phasekv.data.protocols import EvalSet, build_eval_set  # noqa: E402
-from phasekv.evaluate.adapter import HFAdapter  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402
 
 STRIDE, N_RECORDS, N_DEMOS = 8, 24, 4
@@ -117,7 +117,7 @@ def main() -> None:
         models.append(("tiny", tiny_causal_lm("llama", len(tokenizer), max(args.lengths), "sdpa").eval(), tokenizer,
                        args.lengths, None, args.repeats))
     if "smollm2" in args.models and REAL_MODEL_PRESENT and args.smol_lengths:
-        from phasekv.evaluate.hf import load_hf
+        from phasekv.adapters.hf import load_hf
 
         smol, smol_tokenizer = load_hf(str(SMOL), "cpu", "float32", gguf_file=SMOL_FILE)
         models.append(("smollm2", smol.module, smol_tokenizer, args.smol_lengths, args.smol_contexts,

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from phasekv import build_model
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.config import Experiment
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import PhaseKVAdapter
 from phasekv.evaluate.runner import predict
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu" / "w8s8.yaml"

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from phasekv import families, load_checkpoint
+from phasekv.adapters.phasekv import adapter_for
 from phasekv.archs.base import text_config
 from phasekv.checkpoint import read_experiment
 from phasekv.config import Experiment
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
-from phasekv.evaluate.adapter import adapter_for
 from phasekv.probes.hooks import output_projection
 
 FIRST_HELD_OUT = 10_000_000  # stream index of the first sequence drawn: past every training example of the presets

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from phasekv.adapters import launch
-from phasekv.evaluate.endpoint import prompt_key
+from phasekv.adapters.journal import prompt_key
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE
 
 # where `make engine` puts the binary (the Makefile's ENGINE)
@@ -56,7 +56,7 @@ class LoopbackServer:
 
 class CountingProxy(LoopbackServer):
     """A loopback HTTP proxy to `target` that counts the prompts of the POSTs it forwards, by their journal key
-    (`phasekv.evaluate.endpoint.prompt_key` of the body's "prompt" or "input_ids")."""
+    (`phasekv.adapters.journal.prompt_key` of the body's "prompt" or "input_ids")."""
 
     def __init__(self, target: str):
         self.target = target.rstrip("/")

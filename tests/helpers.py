@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from phasekv.adapters.base import Adapter
 from phasekv.config import ModelConfig
-from phasekv.evaluate.adapter import Adapter
 from tests import toy_compressor  # noqa: F401  (registers "toy_mean": a compressor defined outside the package)
 
 # the real SmolLM2 model, when `make real-model` has fetched it (tests that need it are skipped otherwise)

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from phasekv import archs, build_model, families
+from phasekv.adapters.hf import HFAdapter
+from phasekv.adapters.phasekv import adapter_for
 from phasekv.archs import CompressionGeometry, Geometry, architecture_of
 from phasekv.compression import compressors_of
 from phasekv.config import TransformersModelConfig
-from phasekv.evaluate.adapter import HFAdapter, adapter_for
 from phasekv.indexer import distillation, indexers_of
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, cycled_gates, cycled_layers, offset_gate_parameters

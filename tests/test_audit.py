@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from phasekv.config import PROTOCOLS
+from phasekv.adapters.hf import HFAdapter
+from phasekv.config import PROTOCOLS, AuditPlan, audit_config
 from phasekv.data.formats import FORMATS, FormatVocabulary, PromptFormat, load_format
 from phasekv.data.protocols import build_eval_set
-from phasekv.evaluate.adapter import HFAdapter
 from phasekv.report.audit import run_audit
 from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model, tiny_causal_lm
 
@@ -25,8 +25,8 @@ def _tiny_llama(vocab_size: int, max_positions: int = 1024):
 def test_a_model_at_chance_stops_at_the_capability_gate(tmp_path):
     tokenizer = bpe_tokenizer()
     adapter = _tiny_llama(len(tokenizer))
-    summary = run_audit(adapter, tokenizer, tmp_path / "audit", conditions=("select:3", "mean"), n_records=40,
-                        prompts_per_phase=1, progress=False)
+    summary = run_audit(adapter, tokenizer, audit_config(records=40), tmp_path / "audit",
+                        plan=AuditPlan(conditions=("select:3", "mean"), prompts_per_phase=1), progress=False)
     assert not summary["can_do_task"] and list(summary["conditions"]) == ["none"]
     verdict = summary["conditions"]["none"]["prefix"]["verdict"]
     assert verdict.startswith("cannot do the task") and "flat" not in verdict and "period" not in verdict
@@ -43,9 +43,9 @@ def test_real_model_records_format_is_flat_uncompressed_and_periodic_under_selec
 
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
     model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)
-    summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, tmp_path / "a",
-                        conditions=("select:3+keep-first:1",), prompts_per_phase=64, progress=False,
-                        protocols=("prefix",))
+    summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, audit_config(), tmp_path / "a",
+                        plan=AuditPlan(conditions=("select:3+keep-first:1",), prompts_per_phase=64,
+                                       protocols=("prefix",)), progress=False)
     none, select = (summary["conditions"][c]["prefix"] for c in ("none", "select:3+keep-first:1"))
     assert summary["can_do_task"] and none["mean_accuracy"] > 0.6 and none["flatness_p"] > 0.05
     assert none["verdict"].startswith("no phase effect detected")
@@ -170,8 +170,8 @@ def test_an_audit_on_a_long_format_prefills_its_preamble_once(tmp_path):
         return original(*args, **kwargs)
 
     adapter.module.forward = forward
-    summary = run_audit(adapter, tokenizer, tmp_path / "audit", "needle-4k", conditions=("none",), n_records=16,
-                        n_demos=2, prompts_per_phase=1, progress=False)
+    summary = run_audit(adapter, tokenizer, audit_config(format="needle-4k", records=16, demos=2), tmp_path / "audit",
+                        plan=AuditPlan(conditions=("none",), prompts_per_phase=1), progress=False)
     header = len(FormatVocabulary(load_format("needle-4k"), tokenizer).header)
     assert summary["format"]["format"]["preamble_tokens"] == 3072 and summary["conditions"]["none"]["prefix"]
     assert [s for s in shapes if s[1] > header] == [shapes[0]] and shapes[0][0] == 1  # both protocols, one prefill

@@ -13,8 +13,10 @@ import httpx
 import pytest
 import torch
 
-from phasekv.evaluate.adapter import ModelInfo
-from phasekv.evaluate.endpoint import APIS, EndpointAdapter, EndpointError, Journal, prompt_key
+from phasekv.adapters.base import ModelInfo
+from phasekv.adapters.endpoint import EndpointAdapter
+from phasekv.adapters.engines import APIS, EndpointError
+from phasekv.adapters.journal import Journal, prompt_key
 from phasekv.evaluate.runner import predict
 from tests.engine import CountingProxy, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, PromptAdapter, needs_real
@@ -272,7 +274,7 @@ class Reference(PromptAdapter):
 
 
 def test_engine_vs_reference_agreement_is_reported_per_phase():
-    from phasekv.evaluate.compare import compare
+    from phasekv.evaluate.served import compare
 
     s = eval_set()
     engine = FakeEngine()
@@ -304,15 +306,17 @@ class QueryPhaseReference(PromptAdapter):
 
 
 def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):
+    from phasekv.config import AuditPlan, audit_config
     from phasekv.report.audit import run_audit
     from tests.helpers import bpe_tokenizer
 
     tokenizer = bpe_tokenizer()
     engine = FakeEngine(vocab=len(tokenizer))
     adapter = EndpointAdapter("http://engine.test", "llamacpp", len(tokenizer), transport=httpx.MockTransport(engine))
-    summary = run_audit(adapter, tokenizer, tmp_path / "a", conditions=("none",), stride=4, window=4, n_records=16,
-                        n_demos=2, prompts_per_phase=4, progress=False, protocols=("prefix", "query"),
-                        reference=QueryPhaseReference(len(tokenizer)))
+    summary = run_audit(adapter, tokenizer, audit_config(stride=4, records=16, demos=2), tmp_path / "a",
+                        plan=AuditPlan(conditions=("none",), window=4, prompts_per_phase=4,
+                                       protocols=("prefix", "query")),
+                        progress=False, reference=QueryPhaseReference(len(tokenizer)))
     query, prefix = summary["comparison"]["query"], summary["comparison"]["prefix"]
     assert [g["agreement"] for g in query["per_query_phase"]] == [1.0, 0.0, 1.0, 1.0]
     assert query["per_query_phase"][1]["ci_high"] < 0.5 < query["per_query_phase"][0]["ci_low"]
@@ -322,7 +326,7 @@ def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):
     assert json.loads((tmp_path / "a" / "comparison.json").read_text()) == summary["comparison"]
     assert "Engine vs reference" in (tmp_path / "a" / "report.html").read_text()
     with pytest.raises(ValueError, match="needs --endpoint"):
-        run_audit(QueryPhaseReference(len(tokenizer)), tokenizer, tmp_path / "b", reference=adapter)
+        run_audit(QueryPhaseReference(len(tokenizer)), tokenizer, audit_config(), tmp_path / "b", reference=adapter)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -348,7 +352,7 @@ def test_audit_cli_endpoint_errors_are_one_line(argv, match, tmp_path, capsys):
 
 needs_engine = needs_real(engine_present, "llama-server not built (make engine) or real model absent (make real-model)")
 # 64 prompts of ~230 tokens (stride 4, 16 records): about a second each through llama-server on one busy core
-SETTINGS = dict(stride=4, n_records=16, prompts_per_phase=8)
+SETTINGS, PLAN = dict(stride=4, records=16), dict(prompts_per_phase=8)  # audit_config's and AuditPlan's
 N_PROMPTS = 64
 AUDIT = ["--tokenizer", str(SMOL), "--gguf-file", SMOL_FILE, "--format", "records", "--stride", "4", "--records",
          "16", "--prompts-per-phase", "8", "--no-progress"]
@@ -364,8 +368,9 @@ def server():
 def audits(server, tmp_path_factory):
     """The endpoint audit (llama.cpp API, 2 requests in flight) and the in-process transformers audit of the same
     GGUF weights, on the same prompts."""
+    from phasekv.adapters.hf import load_hf
     from phasekv.cli import main
-    from phasekv.evaluate.hf import load_hf
+    from phasekv.config import AuditPlan, audit_config
     from phasekv.report.audit import run_audit
 
     root = tmp_path_factory.mktemp("audits")
@@ -375,7 +380,8 @@ def audits(server, tmp_path_factory):
     engine_s = time.perf_counter() - start
     adapter, tokenizer = load_hf(str(SMOL), gguf_file=SMOL_FILE)
     start = time.perf_counter()
-    run_audit(adapter, tokenizer, root / "reference", "records", ("none",), progress=False, **SETTINGS)
+    run_audit(adapter, tokenizer, audit_config(**SETTINGS), root / "reference", plan=AuditPlan(("none",), **PLAN),
+              progress=False)
     print(f"\nendpoint audit {engine_s:.1f} s, transformers audit {time.perf_counter() - start:.1f} s")
     return root
 
@@ -492,8 +498,9 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
 @needs_engine
 @pytest.mark.slow
 def test_audit_reference_hf_compares_the_served_model_per_source_and_query_phase(server, tmp_path):
+    from phasekv.adapters.hf import load_hf
     from phasekv.cli import main
-    from phasekv.evaluate.hf import load_hf
+    from phasekv.config import AuditPlan, audit_config
     from phasekv.report.audit import run_audit
 
     out = tmp_path / "served"
@@ -511,8 +518,9 @@ def test_audit_reference_hf_compares_the_served_model_per_source_and_query_phase
     served = summary["conditions"]["none"]["query"]
     assert served["mean_accuracy"] == pytest.approx(comparison["overall"]["engine_accuracy"])
     adapter, tokenizer = load_hf(str(SMOL), gguf_file=SMOL_FILE)
-    in_process = run_audit(adapter, tokenizer, tmp_path / "hf", "records", ("none",), progress=False,
-                           protocols=("query",), **SETTINGS)["conditions"]["none"]["query"]
+    in_process = run_audit(adapter, tokenizer, audit_config(**SETTINGS), tmp_path / "hf",
+                           plan=AuditPlan(("none",), protocols=("query",), **PLAN),
+                           progress=False)["conditions"]["none"]["query"]
     assert in_process["mean_accuracy"] == pytest.approx(comparison["overall"]["reference_accuracy"])
     for metrics in (served, in_process):
         print(f"{metrics['query_phase']['verdict']}")

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from phasekv.adapters.journal import journal_path, prompt_key
 from phasekv.cli import main
-from phasekv.evaluate.endpoint import journal_path, prompt_key
 from tests.engine import LoopbackServer, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, needs_real
 

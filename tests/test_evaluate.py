@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from phasekv import ModelConfig, build_model
+from phasekv.adapters.base import ModelInfo
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.cli import main
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import ModelInfo, PhaseKVAdapter
 from phasekv.evaluate.runner import evaluate, predict
 from tests.helpers import PromptAdapter
 
@@ -132,7 +133,8 @@ def test_eval_on_a_tiny_hf_model(tmp_path, capsys):
 
 
 def test_hf_batch_size_and_multi_query_do_not_change_predictions(tmp_path):
-    from phasekv.evaluate.hf import TokenizerVocabulary, load_hf
+    from phasekv.adapters.hf import load_hf
+    from phasekv.evaluate.sources import TokenizerVocabulary
 
     adapter, tokenizer = load_hf(str(_tiny_hf(tmp_path, VOCAB.words)))
     vocab = TokenizerVocabulary(tokenizer, {"keys": 32, "values": 16, "fillers": 8})

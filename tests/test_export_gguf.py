@@ -1,4 +1,4 @@
-"""GGUF export of DeepSeek-V4 (phasekv.export_gguf): the widening to llama.cpp's shapes keeps the function, the file
+"""GGUF export of DeepSeek-V4 (phasekv.export.gguf): the widening to llama.cpp's shapes keeps the function, the file
 holds llama.cpp's names, shapes, hyper-parameters and tokenizer, unsupported configs are refused in one line, and the
 real llama-server (b11434, `make engine`) serves the export with the next-token log-probabilities of transformers on
 the same weights: the trained checkpoints/dsv4-csa and a random model with every layer kind (sliding, CSA, HCA, hash
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasekv import export_gguf as eg
 from phasekv.adapters import launch
 from phasekv.checkpoint import read_experiment
 from phasekv.data.vocab import Vocabulary
+from phasekv.export import gguf as eg
 from tests.engine import LLAMA_SERVER, llama_server
 from tests.helpers import needs_real
 

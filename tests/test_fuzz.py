@@ -577,7 +577,7 @@ EARLY = [c for c in CASES if c.id.startswith(("audit-", "format-", "eval-checkpo
 def test_flags_are_checked_before_anything_loads(case: Case, ws: Path, capsys, monkeypatch):
     """Each of these is refused with its own line although loading a model (or training) would fail the test: the
     flags, the format file and the work's size are checked first (a GGUF model takes most of a minute to load)."""
-    import phasekv.evaluate.hf as hf_mod
+    import phasekv.adapters.hf as hf_mod
     import phasekv.train as train_mod
 
     def never(*args, **kwargs):

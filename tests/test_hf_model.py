@@ -112,12 +112,12 @@ def test_hflm_evaluates_a_phasekv_model_like_phasekv(tmp_path):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from phasekv.adapters.phasekv import PhaseKVAdapter
     from phasekv.config import EvalConfig
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.data.protocols import build_eval_set
-    from phasekv.evaluate.adapter import PhaseKVAdapter
-    from phasekv.evaluate.lmeval import export_lmeval
     from phasekv.evaluate.runner import predict
+    from phasekv.export.lmeval import export_lmeval
 
     tokenizer = bpe_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tok")

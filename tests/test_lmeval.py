@@ -9,10 +9,10 @@ import torch
 
 from phasekv.cli import main
 from phasekv.config import EvalConfig
-from phasekv.evaluate import lmeval_task
-from phasekv.evaluate.lmeval import answer_texts, export_lmeval
 from phasekv.evaluate.runner import run_eval
 from phasekv.evaluate.sources import Source
+from phasekv.export import lmeval_task
+from phasekv.export.lmeval import answer_texts, export_lmeval
 from tests.helpers import bpe_tokenizer
 
 # one-digit values: 9 possible answers, so a model restricted to them is right about 1 time in 9, unevenly

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.cache import KVCache
-from phasekv.evaluate.adapter import PhaseKVAdapter
 from phasekv.model import build_model
 from tests.helpers import COMPRESSOR_MATRIX, tiny
 

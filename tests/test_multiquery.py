@@ -1,4 +1,4 @@
-"""Multi-query evaluation of transformers models (phasekv.evaluate.adapter): the packed layout that reads the
+"""Multi-query evaluation of transformers models (phasekv.adapters.hf): the packed layout that reads the
 prefilled cache in place equals one forward per full prompt and the slow reference (a deep copy of the cache
 per query row), for the full cache and the post-hoc compressed ones, on tiny Llama and Qwen3 models with eager
 and sdpa attention; the cache is left unchanged; a shared prefix is prefilled once and gives the same cache;
@@ -14,11 +14,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from phasekv.adapters import hf as adapter_module  # noqa: E402
+from phasekv.adapters.hf import HFAdapter, query_mask  # noqa: E402
+from phasekv.adapters.posthoc import PosthocAdapter  # noqa: E402
 from phasekv.data.formats import FORMATS, FormatVocabulary, load_format  # noqa: E402
 from phasekv.data.protocols import build_eval_set  # noqa: E402
-from phasekv.evaluate import adapter as adapter_module  # noqa: E402
-from phasekv.evaluate.adapter import HFAdapter, query_mask  # noqa: E402
-from phasekv.evaluate.posthoc import PosthocAdapter  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402
 from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model, tiny_causal_lm  # noqa: E402
 
@@ -188,7 +188,7 @@ def test_runner_multi_query_equals_one_by_one_with_several_needles_per_context(p
     else:  # one prefill and one continuation per batch of contexts
         per_batch = 16 // len(eval_set.contexts[0].queries)
         assert len(seen.shapes) == 2 * math.ceil(len(eval_set.contexts) / per_batch)
-    post = PosthocAdapter(hf, "select:3+keep-first:1", 8, 8, 16)
+    post = PosthocAdapter(hf, "select:3+keep-first:1", window=8, stride=8, local_window=16)
     packed = predict(post, eval_set, batch_size=16, progress=False)
     monkeypatch.setattr(hf, "reads_in_place", lambda past: False)  # the reference: a cache copy per query row
     copies = predict(post, eval_set, batch_size=16, progress=False)
@@ -198,7 +198,7 @@ def test_runner_multi_query_equals_one_by_one_with_several_needles_per_context(p
 @pytest.mark.slow
 @needs_real_model
 def test_real_model_packed_queries_equal_the_copies_at_1k_tokens():
-    from phasekv.evaluate.hf import load_hf
+    from phasekv.adapters.hf import load_hf
 
     hf, tokenizer = load_hf(str(SMOL), "cpu", "float32", gguf_file=SMOL_FILE)
     vocab = FormatVocabulary(load_format("needle"), tokenizer)

@@ -10,8 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from phasekv.evaluate.adapter import HFAdapter  # noqa: E402
-from phasekv.evaluate.posthoc import PosthocAdapter, compress_cache, parse_policy  # noqa: E402
+from phasekv.adapters.hf import HFAdapter  # noqa: E402
+from phasekv.adapters.posthoc import PosthocAdapter, compress_cache, parse_policy  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 VOCAB, T, Q = 61, 37, 3  # context length, query length
@@ -60,7 +60,8 @@ def test_window_of_one_is_full_attention(hf, policy):
 @pytest.mark.parametrize(("offset", "window", "stride", "keep_first"), [(3, 8, 8, 0), (0, 4, 4, 1), (5, 8, 4, 1)])
 def test_select_equals_full_attention_with_dropped_positions_masked(hf, offset, window, stride, keep_first):
     ids, queries, local = _ids(), _ids(2, Q, seed=2), 5
-    post = PosthocAdapter(hf, f"select:{offset}+keep-first:{keep_first}", window, stride, local)
+    post = PosthocAdapter(hf, f"select:{offset}+keep-first:{keep_first}", window=window, stride=stride,
+                          local_window=local)
     got = post.continue_from(post.prefill(ids), queries, 1)
 
     kept = _kept_by_select(T, offset, window, stride, local, keep_first)

@@ -18,9 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from phasekv.evaluate import presses  # noqa: E402
-from phasekv.evaluate.adapter import HFAdapter  # noqa: E402
-from phasekv.evaluate.presses import PressAdapter, parse_press  # noqa: E402
+from phasekv.adapters import presses  # noqa: E402
+from phasekv.adapters.hf import HFAdapter  # noqa: E402
+from phasekv.adapters.presses import PressAdapter, parse_press  # noqa: E402
 from tests.helpers import SMOL, SMOL_FILE, needs_real, needs_real_model, tiny_causal_lm  # noqa: E402
 
 needs_kvpress = needs_real(importlib.util.find_spec("kvpress") is not None, "kvpress not installed (make kvpress)")
@@ -540,11 +540,11 @@ def test_the_audit_refuses_a_bad_press_before_loading_a_model(tmp_path, capsys):
 
 @needs_kvpress
 def test_the_audit_evaluates_a_press_condition_through_press_adapter():
-    from phasekv.report.audit import check_conditions, condition_adapter
+    from phasekv.adapters.conditions import Geometry, check_conditions, condition_adapter
 
-    check_conditions(("none", "press:chunkkv:press=knorm,ratio=0.5,chunk=8"), 8, 8, 16)
+    check_conditions(("none", "press:chunkkv:press=knorm,ratio=0.5,chunk=8"), Geometry(8, 8, 16))
     hf = _tiny("llama")
-    adapter = condition_adapter(hf, "press:chunkkv:press=knorm,ratio=0.5,chunk=8", 8, 8, 16)
+    adapter = condition_adapter(hf, "press:chunkkv:press=knorm,ratio=0.5,chunk=8", Geometry(8, 8, 16))
     assert isinstance(adapter, PressAdapter) and adapter.info.stride == 8 and adapter.spec.values["chunk"] == 8
 
 
@@ -554,13 +554,15 @@ def test_the_audit_evaluates_a_press_condition_through_press_adapter():
 def test_the_real_model_audit_runs_a_press(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from phasekv.config import AuditPlan, audit_config
     from phasekv.report.audit import run_audit
 
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
     model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)
     condition = "press:chunkkv:press=knorm,ratio=0.5,chunk=8"
-    summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, tmp_path / "a", conditions=(condition,),
-                        prompts_per_phase=8, progress=False, protocols=("prefix",))
+    summary = run_audit(HFAdapter(model, "SmolLM2-135M"), tokenizer, audit_config(), tmp_path / "a",
+                        plan=AuditPlan(conditions=(condition,), prompts_per_phase=8, protocols=("prefix",)),
+                        progress=False)
     result = summary["conditions"][condition]
     assert summary["can_do_task"] and result["prefix"]["verdict"]
     assert result["prefix"]["mean_accuracy"] < summary["conditions"]["none"]["prefix"]["mean_accuracy"]

@@ -10,11 +10,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from phasekv import ModelConfig, build_model
+from phasekv.adapters.hf import HFAdapter
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.checkpoint import save_checkpoint
 from phasekv.cli import build_parser
 from phasekv.compression.gated import GatedCompressor
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import HFAdapter, PhaseKVAdapter
 from phasekv.evaluate.runner import predict
 from phasekv.probes import (
     Accumulator,

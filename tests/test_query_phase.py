@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from phasekv import build_model
+from phasekv.adapters.base import ModelInfo
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.data import Vocabulary, build_eval_set
-from phasekv.evaluate.adapter import ModelInfo, PhaseKVAdapter
 from phasekv.evaluate.metrics import summarize, wilson_interval
 from phasekv.evaluate.runner import evaluate, predict
 from phasekv.evaluate.verdict import cross_phase_table, pair_period, query_phase_statistics, target_pairs
@@ -181,14 +182,16 @@ def test_heatmap_draws_the_cells_and_margins(tmp_path):
 
 
 def test_audit_with_the_query_protocol_reports_the_query_phase(tmp_path):
+    from phasekv.config import AuditPlan, audit_config
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.report.audit import run_audit
 
     tokenizer = bpe_tokenizer()
     kt = FormatVocabulary(load_format("records"), tokenizer).record_shape[0]
     oracle = LookupOracle(len(tokenizer), kt, wrong=lambda row: (len(row) - 1) % 4 == 1)
-    summary = run_audit(oracle, tokenizer, tmp_path / "audit", conditions=("none",), stride=4, window=4,
-                        n_records=16, n_demos=2, prompts_per_phase=8, progress=False, protocols=("query",))
+    summary = run_audit(oracle, tokenizer, audit_config(stride=4, records=16, demos=2), tmp_path / "audit",
+                        plan=AuditPlan(conditions=("none",), window=4, prompts_per_phase=8, protocols=("query",)),
+                        progress=False)
     query = summary["conditions"]["none"]["query"]
     assert query["query_phase"]["verdict"].startswith("phase sensitive: period 4")
     assert [r["accuracy"] for r in query["cross"]["per_query_phase"]] == [1.0, 0.0, 1.0, 1.0]

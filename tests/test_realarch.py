@@ -15,9 +15,9 @@ import yaml
 
 import phasekv
 from phasekv import families
+from phasekv.adapters.hf import HFAdapter
 from phasekv.archs import architecture_of
 from phasekv.config import Experiment, TransformersModelConfig
-from phasekv.evaluate.adapter import HFAdapter
 from phasekv.indexer import distillation, indexer_parameters, indexers_of
 from phasekv.train import clip_groups, token_losses
 

@@ -409,9 +409,9 @@ def test_prompt_bytes_is_a_lower_bound_of_what_an_evaluation_holds():
     import gc
     import tracemalloc
 
-    from phasekv.cli.evaluate import PROMPT_BYTES
+    from phasekv.adapters.phasekv import PhaseKVAdapter
+    from phasekv.cli.flags import PROMPT_BYTES
     from phasekv.data.protocols import build_eval_set
-    from phasekv.evaluate.adapter import PhaseKVAdapter
     from phasekv.evaluate.runner import predict
     from phasekv.model import build_model
     from tests.helpers import tiny
@@ -432,7 +432,7 @@ def test_prompt_bytes_is_a_lower_bound_of_what_an_evaluation_holds():
 
 
 def test_prompts_at_least_never_exceeds_the_prompts_built():
-    from phasekv.cli.evaluate import prompts_at_least
+    from phasekv.cli.flags import prompts_at_least
     from phasekv.config import EvalConfig
     from phasekv.data.protocols import build_eval_set
     from tests.test_evaluate import VOCAB
@@ -457,8 +457,8 @@ def test_a_compression_that_compresses_nothing_is_refused():
     """`max-norm+keep-first:100000` (a sink longer than every prompt) or prompts too short for one window would
     evaluate the full cache under a compressed condition's name: refused when the prompt length is checked, before
     any forward."""
-    from phasekv.evaluate.adapter import HFAdapter
-    from phasekv.evaluate.posthoc import PosthocAdapter
+    from phasekv.adapters.hf import HFAdapter
+    from phasekv.adapters.posthoc import PosthocAdapter
     from tests.helpers import tiny_causal_lm
 
     base = HFAdapter(tiny_causal_lm("qwen3", 64, 512, "sdpa"), "tiny")

@@ -1,5 +1,5 @@
 """Pooled selection as an audit condition (phasekv.adapters.selection, .indexers), its mechanism statistics
-(phasekv.evaluate.selection) and the distilled indexer (phasekv.train_indexer), on tiny transformers models."""
+(in phasekv.adapters.selection) and the distilled indexer (phasekv.train_indexer), on tiny transformers models."""
 
 import json
 
@@ -8,7 +8,7 @@ import torch
 
 from phasekv.adapters import indexers as ix
 from phasekv.adapters import selection as sel
-from phasekv.evaluate.adapter import HFAdapter
+from phasekv.adapters.hf import HFAdapter
 from tests.helpers import tiny_causal_lm
 
 SPECS = ["kpool:pool=4,top=2,local=4,sink=1", "kpool:pool=2,budget=0.3,local=4,sink=0",
@@ -196,9 +196,9 @@ def test_distillation_lowers_the_held_out_kl_and_raises_recall():
 def test_the_mechanism_counts_the_target_pool_per_phase():
     """On a lookup prompt set the oracle's rate of selecting the target's pool is reported per phase, in [0, 1],
     with the tail share apart."""
+    from phasekv.adapters.selection import selection_mechanism
     from phasekv.data.protocols import build_eval_set
     from phasekv.data.vocab import Vocabulary
-    from phasekv.evaluate.selection import selection_mechanism
 
     vocab = Vocabulary()
     model = tiny_causal_lm("llama", vocab.size, 512, "eager")

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from phasekv import ModelConfig, build_model
+from phasekv.adapters.base import Adapter, ModelInfo
+from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.checkpoint import save_checkpoint
 from phasekv.cli import sweep as sweep_cli
 from phasekv.data import Vocabulary
 from phasekv.evaluate import sweep
-from phasekv.evaluate.adapter import Adapter, ModelInfo, PhaseKVAdapter
 from phasekv.evaluate.sweep import detect_signal_period, run_sweep
 from tests.test_evaluate import _tiny_hf
 

@@ -12,7 +12,6 @@ pointed to.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from phasekv import families
 from phasekv.config import ModelConfig, TransformersModelConfig, model_config_from_dict, parse_json
-from phasekv.outputs import fsync_tree, publish, write_atomic
+from phasekv.outputs import fsync_tree, publish, write_json
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _state_dict_for_saving(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -54,11 +49,11 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, experiment: d
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file(_state_dict_for_saving(model, dtype), str(tmp / MODEL_FILE))
-    (tmp / CONFIG_FILE).write_text(json.dumps(experiment, indent=2, sort_keys=True) + "\n")
+    write_json(tmp / CONFIG_FILE, experiment)
     for name, tensors in (extra_tensors or {}).items():
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))
     for name, data in (extra_json or {}).items():
-        (tmp / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        write_json(tmp / name, data)
     fsync_tree(tmp)
     publish(tmp, directory)
     return directory
@@ -129,11 +124,13 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: 
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    tree: dict[str, Any] | None = None
                     ) -> tuple[torch.nn.Module, ModelConfig | TransformersModelConfig]:
-    """(model in eval mode, its config) from a checkpoint or run directory, of either model family."""
+    """(model in eval mode, its config) from a checkpoint or run directory, of either model family; `tree`: the
+    checkpoint's config.json when the caller has read it already (one read per checkpoint)."""
     path = resolve(path)
-    config = model_config_from_dict(read_experiment(path)["model"])
+    config = model_config_from_dict((read_experiment(path) if tree is None else tree)["model"])
     model = families.build(config)
     load_weights(model, load_tensors(path / MODEL_FILE), path)
     return model.to(device=device, dtype=dtype).eval(), config

@@ -571,6 +571,29 @@ class EvalConfig:
             raise ValueError("eval.chat: needs a prompt format (--format): the bare word prompts have no chat form")
 
 
+# `phasekv audit`'s settings where `phasekv eval` has others (its residue modulus is the stride: R = S)
+AUDIT_DEFAULTS = {"format": "records", "records": 24, "demos": 4, "stride": 8, "local_window": 16, "batch_size": 16}
+DEFAULT_CONDITIONS = ("none", "select:3+keep-first:1", "mean+keep-first:1")
+
+
+def audit_config(**given: Any) -> EvalConfig:
+    """The EvalConfig of an audit: `given` over AUDIT_DEFAULTS, the residue modulus the stride."""
+    settings = {**AUDIT_DEFAULTS, **given}
+    return from_section(EvalConfig, {"residue_modulus": settings["stride"], **settings}, "eval")
+
+
+@dataclass(frozen=True)
+class AuditPlan:
+    """What an audit evaluates on its prompt sets: the conditions (`phasekv.adapters.conditions`; `none`, the
+    capability gate, always runs first), the window W of the compressing conditions, the protocols and the prompts
+    per phase of each protocol's set."""
+
+    conditions: tuple[str, ...] = DEFAULT_CONDITIONS
+    window: int = 8
+    protocols: tuple[str, ...] = PROTOCOLS
+    prompts_per_phase: int = 192  # finds a 30 pp single-phase gap >= 80% of the time (benchmarks/verdict_power.py)
+
+
 @dataclass
 class Experiment:
     """A resolved experiment: typed sections plus the plain tree written to config.json."""

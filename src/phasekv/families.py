@@ -2,7 +2,7 @@
 
 Everything above this module sees "a causal LM": `build(config)` makes one, `logits(model, ids)`
 runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` serve the knockouts
-(`phasekv.evaluate.adapter`), and compressors, if any, are found by type
+(`phasekv.adapters`), and compressors, if any, are found by type
 (`phasekv.compression.compressors_of`).  Two families exist:
 
   phasekv       `PhaseKVForCausalLM` from a `ModelConfig` (full, sliding or compressed layers)
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from phasekv.archs import architecture_of, geometry_of
-from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in evaluate/presses.py)
+from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in adapters/presses.py)
 from phasekv.config import ModelConfig, TransformersModelConfig
 from phasekv.indexer import indexers_of
 from phasekv.model import PhaseKVForCausalLM, build_model

@@ -9,6 +9,9 @@ commands write their `--out` directory: it refuses an existing non-empty directo
 even with `force` replaces only a directory phasekv wrote (it holds the `MARKER` file); it builds the new
 one in a temporary sibling (so a symlink planted inside the old `--out` is never followed), publishes it
 only when complete, and removes temporary siblings that killed runs left behind.
+
+`write_json` and `write_jsonl` are the one way phasekv writes a JSON or JSON-lines file: each file keeps the
+layout it has always had (indentation, key order), set by the caller.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(directory: Path) -> None:
@@ -51,6 +56,26 @@ def write_atomic(path: Path, content: str | bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+
+def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = True, end: str = "\n",
+               default: Any = None, atomic: bool = False) -> Path:
+    """`data` as JSON in `path` (`end` after it; `default` as json.dumps's); `atomic`: through `write_atomic`
+    (for a file published by itself, not inside an `output_dir`)."""
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys, default=default) + end
+    if atomic:
+        write_atomic(path, text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def write_jsonl(path: Path, rows: Any, *, sort_keys: bool = False) -> Path:
+    """One JSON object per line."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row, sort_keys=sort_keys) + "\n" for row in rows)
+    return path
 
 
 MARKER = ".phasekv-output"  # every directory `output_dir` publishes holds this file: --force replaces only those

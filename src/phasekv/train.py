@@ -37,13 +37,12 @@ from phasekv.checkpoint import (
     load_tensors,
     load_weights,
     save_checkpoint,
-    write_json_atomic,
 )
 from phasekv.compression import compressor_parameters, compressors_of, shifted_windows
 from phasekv.config import Experiment, TrainConfig, parse_json
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
-from phasekv.outputs import recover, write_atomic
+from phasekv.outputs import recover, write_atomic, write_json
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +249,7 @@ def _create_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool) 
         raise ValueError(f"--out {run}: exists and is not an empty directory (and holds no checkpoint); "
                          "choose a new directory")
     run.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run / CONFIG_FILE, tree)
+    write_json(run / CONFIG_FILE, tree, atomic=True)
     write_atomic(run / "metrics.jsonl", "")
 
 
@@ -282,7 +281,7 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     tree = {**exp.tree, "vocab": vocab.to_dict()}
     start = _prepare_run(run, exp, tree, resume, dd, model, optimizer)
     if dd.main and start:
-        write_json_atomic(run / CONFIG_FILE, tree)  # records the train fields changed on resume
+        write_json(run / CONFIG_FILE, tree, atomic=True)  # records the train fields changed on resume
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     last = _train_loop(ddp, model, optimizer, stream, exp, vocab, run, start, dd, progress)

@@ -38,12 +38,16 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
+
+from phasekv.adapters.base import ModelInfo, Wrapped
 
 ATTENTION_NAME = "phasekv_selection"
 HEAD_MODES = ("shared", "kv")
@@ -330,29 +334,24 @@ def attended_fraction(spec: SelectionSpec, length: int) -> float:
 # ----------------------------------------------------------------------------- the audit condition
 
 
-class SelectionAdapter:
+class SelectionAdapter(Wrapped):
     """An HFAdapter evaluated under pooled selection: every prompt is one full forward (selection acts at every
     position of the prefill, as in the real models), so `prefill` keeps the context ids and `continue_from` runs
     context + query whole; `runner.predict` works unchanged.  `attended` is the share of the context the
-    answering query attends (sink + local tail + K pools) at the last checked prompt length."""
+    answering query attends (sink + local tail + K pools) at the last checked prompt length; `extras` adds it and
+    the selection mechanism per phase (`selection_mechanism`) to the audit's summary."""
 
     shares_cache = False
-    shares_prefix = False
 
     def __init__(self, inner, spec: SelectionSpec):
         from phasekv.adapters.indexers import make_indexer
-        from phasekv.evaluate.adapter import ModelInfo
 
-        self.inner, self.spec = inner, spec
-        self.indexer = make_indexer(spec.indexer)
-        self.module, self.device = inner.module, inner.device
         i = inner.info
-        self.info = ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads, i.num_kv_heads,
-                              i.head_dim, i.max_length, spec.pool, spec.local)
+        super().__init__(inner, ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads,
+                                          i.num_kv_heads, i.head_dim, i.max_length, spec.pool, spec.local))
+        self.shares_cache = False
+        self.spec, self.indexer = spec, make_indexer(spec.indexer)
         self.attended: float | None = None
-
-    def attention_layers(self):
-        return self.inner.attention_layers()
 
     def check_length(self, length: int) -> None:
         """Also refuse prompts too short for selection to choose (every candidate pool selected): their numbers
@@ -367,8 +366,8 @@ class SelectionAdapter:
                              "prompts)")
         self.attended = attended_fraction(self.spec, length)
 
-    def _forward(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
-        from phasekv.evaluate.adapter import forward_bytes
+    def _forward(self, ids: torch.Tensor, keep: int, record: bool = False):
+        from phasekv.adapters.hf import forward_bytes
         from phasekv.families import GIB, available_memory
 
         dtype = next(self.module.parameters()).dtype
@@ -376,8 +375,9 @@ class SelectionAdapter:
         if need > available_memory():
             raise ValueError(f"context: a selection forward of {ids.shape[0]} x {ids.shape[1]} tokens needs about "
                              f"{need / GIB:.1f} GiB, more than is available; lower --batch-size")
-        with torch.no_grad(), selecting(self.module, self.spec, self.indexer):
-            return self.module(input_ids=ids.to(self.device), use_cache=False, logits_to_keep=keep).logits
+        with torch.no_grad(), selecting(self.module, self.spec, self.indexer, record=record) as state:
+            logits = self.module(input_ids=ids.to(self.device), use_cache=False, logits_to_keep=keep).logits
+        return (logits, state.recorded) if record else logits
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self._forward(ids, 0)
@@ -393,3 +393,66 @@ class SelectionAdapter:
         contexts, _ = cache
         whole = torch.cat([contexts.repeat_interleave(repeats, 0), ids.to(contexts.device)], dim=1)
         return self._forward(whole, ids.shape[1])
+
+    def extras(self, sets: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+        """What the audit records beside this condition's metrics: the attended share and, per padding protocol,
+        the selection mechanism by phase."""
+        return {"attended": self.attended,
+                "mechanism": {p: selection_mechanism(self, s, progress=progress) for p, s in sets.items()
+                              if p != "query"}}
+
+
+# ----------------------------------------------------------------------------- the mechanism, by phase
+
+
+def _pool_attended(record: dict[str, torch.Tensor], row: int, pool: int, position: int, spec) -> tuple[float, float]:
+    """(share of groups whose selection holds `pool`, attention mass on the pool's keys, heads averaged) of one
+    layer at the last query, for a key at `position` (a key in the local tail or the sink counts as held)."""
+    query = int(record["query_pos"])
+    fixed = position < spec.sink or query - position < spec.local
+    chosen = 1.0 if fixed else float(record["selected"][row, :, pool].float().mean())
+    keys = (record["key_pos"] // spec.pool) == pool
+    mass = float(record["probs"][row][:, keys].sum(-1).mean())
+    return chosen, mass
+
+
+def selection_mechanism(adapter: SelectionAdapter, eval_set, per_phase: int = 8, batch_size: int = 8,
+                        progress: bool = True) -> dict[str, Any]:
+    """The mechanism of selection, not only its accuracy: per phase of the target record (its position mod the
+    pool), how often the answering query's selection holds the record's pool and the pool of its answer token
+    (they differ when the record straddles a pool boundary), and the attention mass the query puts on them, over
+    layers and selection groups; `fixed_share` is the share of prompts whose target lies in the local tail or the
+    sink (attended anyway, not by the indexer).  `per_phase` prompts of each phase, the first ones of the set."""
+    # long: the per-prompt bookkeeping reads top to bottom
+    spec = adapter.spec
+    chosen: dict[int, list] = defaultdict(list)
+    for prompt, query in zip(eval_set.prompts(), eval_set.queries(), strict=True):
+        if len(chosen[query.target_position % spec.pool]) < per_phase:
+            chosen[query.target_position % spec.pool].append((prompt, query))
+    by_length: dict[int, list] = defaultdict(list)
+    for phase in sorted(chosen):
+        for item in chosen[phase]:
+            by_length[len(item[0].ids)].append(item)
+    rows: dict[int, list[dict[str, float]]] = defaultdict(list)
+    total = sum(len(v) for v in chosen.values())
+    with tqdm(total=total, desc="selection mechanism", unit="prompt", disable=not progress, leave=False) as bar:
+        for group in by_length.values():
+            for start in range(0, len(group), batch_size):
+                batch = group[start:start + batch_size]
+                _, recorded = adapter._forward(torch.tensor([p.ids for p, _ in batch]), 1, record=True)
+                last = int(recorded[0]["query_pos"])
+                for row, (_, q) in enumerate(batch):
+                    answer = q.target_position + len(q.key)
+                    target = [_pool_attended(r, row, q.target_position // spec.pool, q.target_position, spec)
+                              for r in recorded]
+                    ans = [_pool_attended(r, row, answer // spec.pool, answer, spec) for r in recorded]
+                    rows[q.target_position % spec.pool].append({
+                        "target_selected": sum(c for c, _ in target) / len(target),
+                        "answer_selected": sum(c for c, _ in ans) / len(ans),
+                        "target_mass": sum(m for _, m in target) / len(target),
+                        "answer_mass": sum(m for _, m in ans) / len(ans),
+                        "fixed_share": float(q.target_position < spec.sink or last - q.target_position < spec.local)})
+                bar.update(len(batch))
+    phases = [{"phase": phase, "n": len(r), **{k: round(sum(x[k] for x in r) / len(r), 4) for k in r[0]}}
+              for phase, r in sorted(rows.items())]
+    return {"pool": spec.pool, "indexer": spec.indexer, "per_phase": phases}

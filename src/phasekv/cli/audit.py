@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.evaluate import add_endpoint_arguments, open_endpoint_from_args
-from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS
+from phasekv.cli.flags import add_endpoint_arguments, endpoint_options
+from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 
-HF_CONDITIONS = ("none", "select:3+keep-first:1", "mean+keep-first:1")
+HF_CONDITIONS = DEFAULT_CONDITIONS
+PLAN = AuditPlan()
 
 
 def add_parser(sub) -> None:
@@ -25,7 +26,8 @@ def add_parser(sub) -> None:
     add_endpoint_arguments(p, source)
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
                                        "extra: make real-model)")
-    p.add_argument("--format", default="records", help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
+    p.add_argument("--format", default=AUDIT_DEFAULTS["format"],
+                   help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
     p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
     p.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
                    help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the prompt "
@@ -35,23 +37,21 @@ def add_parser(sub) -> None:
                                                          "engine vs reference agreement per source and query phase")
     p.add_argument("--compress", nargs="+", default=None, metavar="COND",
                    help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
-                        "sink); default: " + " ".join(HF_CONDITIONS) + "; none only with --endpoint")
+                        "sink); kpool:pool=P,top=K|budget=F[,local=L,sink=N,heads=shared|kv,indexer=oracle|mean|max|"
+                        "distilled:DIR] (query-dependent pooled selection); default: " + " ".join(HF_CONDITIONS) +
+                        "; none only with --endpoint")
     p.add_argument("--press", action="append", default=[], metavar="NAME[:k=v,...]",
                    help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, snapkv, "
                         "streaming, expected-attention, tova, keydiff, or chunkkv, chunk, block over one of them "
                         "(press=NAME), e.g. chunkkv:press=knorm,ratio=0.5,chunk=8")
-    p.add_argument("--select", action="append", default=[], metavar="kpool:pool=P,top=K,...",
-                   help="query-dependent pooled selection as one more condition (repeatable): every query attends "
-                        "its K best pools of P tokens (or budget=F of its context) plus local=L and sink=N tokens, "
-                        "scored by indexer=oracle|mean|max|distilled:DIR, heads=shared|kv; e.g. "
-                        "kpool:pool=4,budget=0.25,indexer=oracle")
-    p.add_argument("--window", type=int, default=8, help="W: tokens per compressed entry")
-    p.add_argument("--stride", type=int, default=8, help="S: a window starts every S tokens (phase = position mod S)")
-    p.add_argument("--local-window", type=int, default=16, help="the last tokens kept raw")
-    p.add_argument("--records", type=int, default=24, help="records per prompt")
-    p.add_argument("--demos", type=int, default=4, help="demonstrations per prompt")
-    p.add_argument("--prompts-per-phase", type=int, default=192)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=PLAN.window, help="W: tokens per compressed entry")
+    p.add_argument("--stride", type=int, default=AUDIT_DEFAULTS["stride"],
+                   help="S: a window starts every S tokens (phase = position mod S)")
+    p.add_argument("--local-window", type=int, default=AUDIT_DEFAULTS["local_window"], help="the last tokens kept raw")
+    p.add_argument("--records", type=int, default=AUDIT_DEFAULTS["records"], help="records per prompt")
+    p.add_argument("--demos", type=int, default=AUDIT_DEFAULTS["demos"], help="demonstrations per prompt")
+    p.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
+    p.add_argument("--batch-size", type=int, default=AUDIT_DEFAULTS["batch_size"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32")
@@ -65,11 +65,11 @@ def add_parser(sub) -> None:
 def check_flags(args, conditions: tuple[str, ...]) -> None:
     """Every flag, checked before anything is loaded (a GGUF model takes most of a minute): counts, the device, the
     format file, the conditions, and the prompt set's size against the memory available now."""
+    from phasekv.adapters.conditions import Geometry, check_conditions, check_served
     from phasekv.cli import check_positive
-    from phasekv.cli.evaluate import check_prompt_count
+    from phasekv.cli.flags import check_prompt_count
     from phasekv.data.formats import load_format
     from phasekv.distributed import resolve_device
-    from phasekv.report.audit import check_conditions
 
     check_positive(args, "window", "stride", "records", "prompts_per_phase", "batch_size", "local_window")
     for name in ("demos", "seed", "threads"):
@@ -83,49 +83,46 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
     if args.endpoint is None:
         resolve_device(args.device)
     load_format(args.format, args.chat)
-    check_conditions(conditions, args.window, args.stride, args.local_window)
+    check_conditions(conditions, Geometry(args.window, args.stride, args.local_window))
     if args.endpoint is not None:
-        from phasekv.evaluate.endpoint import check_endpoint_conditions
-
-        check_endpoint_conditions(conditions)
+        check_served(conditions)
     padding = sum(p in PROTOCOLS for p in set(getattr(args, "protocol", PROTOCOLS))) or 1  # query: its own count
     check_prompt_count(args.prompts_per_phase * args.stride * padding, "--prompts-per-phase")
 
 
 def run(args) -> dict[str, Any]:
-    from phasekv.evaluate.hf import load_hf
+    from phasekv.adapters.endpoint import check_reference, open_endpoint
+    from phasekv.adapters.hf import load_hf
+    from phasekv.config import audit_config
     from phasekv.outputs import check_output_dir
     from phasekv.report.audit import run_audit
 
     conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
-                  *(f"press:{name}" for name in args.press), *args.select)
+                  *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.reference_hf is not None and args.endpoint is None:
-        raise ValueError("--reference-hf: compares a served model with its weights in process: needs --endpoint")
+    check_reference(args.endpoint is not None, args.reference_hf)
+    cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
+                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed, device=args.device,
+                       dtype=args.dtype, threads=args.threads, gguf_file=args.gguf_file)
+    plan = AuditPlan(conditions, args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
     reference = None
     if args.reference_hf is not None:
         reference, _ = load_hf(args.reference_hf, args.device, args.dtype, gguf_file=args.gguf_file)
     if args.endpoint is not None:
-        from phasekv.evaluate.endpoint import keep_journal
-
-        adapter, tokenizer = open_endpoint_from_args(args)
+        adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
     else:
         adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
     try:
-        summary = run_audit(adapter, tokenizer, args.out, args.format, conditions, args.window, args.stride,
-                            args.local_window, args.records, args.demos, args.prompts_per_phase, args.seed,
-                            args.batch_size, args.force, not args.no_progress, chat=args.chat,
-                            protocols=tuple(dict.fromkeys(args.protocol)), reference=reference)
+        summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
+                            progress=not args.no_progress, reference=reference)
     finally:
         if args.endpoint is not None:
             adapter.close()
-    if args.endpoint is not None:
-        keep_journal(adapter, args.out)
     for name, result in summary["conditions"].items():
         for protocol in summary["settings"]["protocols"]:
             print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")

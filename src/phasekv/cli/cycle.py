@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasekv.cli.evaluate import add_prompt_arguments, source_and_config
+from phasekv.cli.flags import add_prompt_arguments, source_and_config
 
 
 def add_parser(sub) -> None:

@@ -5,156 +5,26 @@
     phasekv eval --endpoint URL --api llamacpp --tokenizer DIR --format records --out OUT   (a served model)
     torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
 
-Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags
-shared with the probes (model source and prompt set) are defined here once, and checked here before anything
-loads: a flag only --hf models read is refused with --checkpoint (never silently ignored), a --format file is
-read, and a prompt set whose size alone would not fit in memory is refused (`check_prompt_count`).
+Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags it shares with the
+probes, the audit and the export are defined and checked in `phasekv.cli.flags`.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
-from phasekv.config import EVAL_PROTOCOLS
-from phasekv.data.formats import FORMATS
-
-# flag -> EvalConfig field, for the flags that describe the prompt set and the run
-_EVAL_FLAGS = ("protocol", "stride", "residue_modulus", "records", "demos", "clusters", "targets_per_context",
-               "key_tokens", "value_tokens", "local_window", "batch_size", "one_by_one", "seed", "device", "dtype",
-               "device_map", "format", "chat", "gguf_file", "threads")
-
-
-def add_source_arguments(p, hf_help: str = "transformers causal LM: local directory or hub name"):
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="phasekv checkpoint or run directory")
-    src.add_argument("--hf", help=hf_help)
-    return src
-
-
-def add_endpoint_arguments(p, source) -> None:
-    """--endpoint (one more choice of the `source` group) and its flags (shared by eval and audit)."""
-    source.add_argument("--endpoint", metavar="URL", help="an inference engine serving the model, e.g. "
-                                                          "http://127.0.0.1:8080 (llama.cpp, vLLM, SGLang)")
-    p.add_argument("--api", default="llamacpp", help="--endpoint: llamacpp (/completion), openai (/v1/completions) "
-                                                     "or sglang (/generate)")
-    p.add_argument("--tokenizer", metavar="DIR", help="--endpoint: the served model's tokenizer (prompts are sent as "
-                                                      "its token ids; with --gguf-file, read from that GGUF file)")
-    p.add_argument("--model", help="--endpoint: the served model's name (default: the one model the server serves)")
-    p.add_argument("--concurrency", type=int, default=1, help="--endpoint: requests in flight at once")
-    p.add_argument("--reuse-prefix", action="store_true", help="--endpoint: send a context's queries back to back "
-                                                               "with the engine's prompt cache on (default: off)")
-    p.add_argument("--timeout", type=float, default=600.0, help="--endpoint: seconds one request may take")
-    p.add_argument("--resume", action="store_true", help="--endpoint: continue the journal of a killed run, "
-                                                         "OUT.journal.jsonl (only unanswered prompts are sent)")
-
-
-def open_endpoint_from_args(args):
-    """(EndpointAdapter, tokenizer) of the --endpoint flags; the journal lives beside --out until it is published."""
-    from phasekv.evaluate.endpoint import journal_path, open_endpoint
-
-    if args.tokenizer is None:
-        raise ValueError("--endpoint: needs --tokenizer DIR (the served model's tokenizer)")
-    return open_endpoint(args.endpoint, args.api, args.tokenizer, getattr(args, "gguf_file", None), args.model,
-                         args.concurrency, args.reuse_prefix, journal_path(args.out), args.resume,
-                         fresh=args.force and not args.resume, timeout=args.timeout)
-
-
-def add_prompt_arguments(p) -> None:
-    """The flags that choose a model and build its prompt set (shared by eval and the probes).
-    Unset flags are absent from the namespace, so the checkpoint's `eval` section applies."""
-    quiet = argparse.SUPPRESS
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
-    add_prompt_set_arguments(p)
-    p.add_argument("--batch-size", type=int, default=quiet, help="query rows per forward (default: 256 checkpoints, "
-                                                                 "32 HF)")
-    p.add_argument("--one-by-one", action="store_true", default=quiet, help="one forward per prompt (no shared "
-                                                                            "prefill)")
-    p.add_argument("--device", default=quiet, help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default=quiet, help="HF models: torch dtype, e.g. bfloat16")
-    p.add_argument("--device-map", default=quiet, help="HF models: e.g. 'auto' to spread a large model over GPUs")
-    p.add_argument("--gguf-file", default=quiet, help="HF models: a GGUF file inside the --hf directory")
-    p.add_argument("--threads", type=int, default=quiet, help="torch CPU threads (default: torch's; use 1 when "
-                                                              "several runs share the cores)")
-    p.add_argument("--no-progress", action="store_true")
-
-
-def add_prompt_set_arguments(p) -> None:
-    """The flags that describe the prompt set (shared by eval, the probes and export)."""
-    quiet = argparse.SUPPRESS
-    p.add_argument("--protocol", choices=EVAL_PROTOCOLS, default=quiet, help="padding protocol (default prefix); "
-                   "query: the target fixed, the prompt length varied (the query phase, source x query cells)")
-    p.add_argument("--stride", type=int, default=quiet, help="phase stride S (default: the model's; 8 without "
-                                                             "compression)")
-    p.add_argument("--residue-modulus", type=int, default=quiet, help="residues R (default 24)")
-    p.add_argument("--records", type=int, default=quiet, help="records per prompt (checkpoint: its training value; "
-                                                              "HF: 64, 24 with --format)")
-    p.add_argument("--demos", type=int, default=quiet, help="demonstrations per prompt (default 8)")
-    p.add_argument("--clusters", type=int, default=quiet, help="logical examples (default: exact position matching)")
-    p.add_argument("--targets-per-context", type=int, default=quiet)
-    p.add_argument("--key-tokens", type=int, default=quiet, help="tokens per key (needle test: 2 keys + 2 values)")
-    p.add_argument("--value-tokens", type=int, default=quiet)
-    p.add_argument("--local-window", type=int, default=quiet, help="targets lie outside this many final tokens "
-                                                                   "(HF default 16)")
-    p.add_argument("--seed", type=int, default=quiet)
-    p.add_argument("--format", default=quiet, help=f"HF models: prompt format ({', '.join(FORMATS)} or a YAML "
-                                                   "file); default: bare single-token words")
-    p.add_argument("--chat", action="store_true", default=quiet, help="HF models: wrap the --format prompts in the "
-                                                                      "tokenizer's chat template")
-
-
-def given_flags(args) -> dict[str, Any]:
-    """EvalConfig fields of the flags given on the command line (unset flags are absent)."""
-    return {name: getattr(args, name) for name in _EVAL_FLAGS if hasattr(args, name)}
-
-
-# EvalConfig fields only a transformers model (--hf) reads: with --checkpoint they are refused, not ignored
-HF_ONLY = ("format", "chat", "gguf_file", "device_map", "dtype")
-# bytes one prompt holds at least through an evaluation (its share of the context's ids, its query, its prediction
-# record): tracemalloc measured 820-1220 per prompt (tests/test_reliability.py checks this bound)
-PROMPT_BYTES = 512
-
-
-def source_and_config(args):
-    """(Source, EvalConfig) from parsed flags: the checkpoint's eval section, overridden by given flags; flags that
-    would be ignored, and prompt sets too large for memory, are refused before anything is loaded."""
-    from phasekv.evaluate.sources import Source, eval_config
-
-    source = Source(checkpoint=getattr(args, "checkpoint", None), hf=getattr(args, "hf", None))
-    given = given_flags(args)
-    cfg = eval_config(source, given)
-    if source.checkpoint is not None:
-        for name in HF_ONLY:
-            if name in given or (name != "dtype" and getattr(cfg, name)):
-                flag = f"--{name.replace('_', '-')}" if name in given else f"eval.{name} (the checkpoint's config.json)"
-                raise ValueError(f"{flag}: applies to --hf models only; a phasekv checkpoint is evaluated on its own "
-                                 "vocabulary, in float32: drop it")
-    elif cfg.format is not None:  # a broken format file is refused before the model loads
-        from phasekv.data.formats import load_format
-
-        load_format(cfg.format, cfg.chat)
-    check_prompt_count(prompts_at_least(cfg))
-    return source, cfg
-
-
-def prompts_at_least(cfg) -> int:
-    """A lower bound of the prompts an EvalConfig describes, from the settings alone: build_eval_set makes
-    n_clusters x R contexts of targets_per_context prompts; unset, the targets are R / g and the clusters a multiple
-    of g (g = gcd(record pitch, R) divides both), so there are at least R x max(clusters, R) prompts."""
-    r, clusters, targets = cfg.residue_modulus, cfg.clusters, cfg.targets_per_context
-    if targets:
-        return r * targets * (clusters or 1)
-    return r * max(clusters or 1, r)
-
-
-def check_prompt_count(prompts: int, flags: str = "--clusters, --targets-per-context, --residue-modulus") -> None:
-    """Refuse, before anything is built, a prompt set whose bookkeeping alone (PROMPT_BYTES a prompt) exceeds the
-    memory available now; `flags`: those that set its size."""
-    from phasekv.cli import check_budget
-
-    check_budget(prompts * PROMPT_BYTES, f"prompt set: {prompts:,} prompts or more", advice=f"lower {flags}")
+from phasekv.cli.flags import (
+    add_endpoint_arguments,
+    add_prompt_arguments,
+    add_source_arguments,
+    check_prompt_count,
+    endpoint_options,
+    given_flags,
+    prompts_at_least,
+    source_and_config,
+)
 
 
 def add_parser(sub) -> None:
@@ -168,20 +38,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict[str, Any]:
+    from phasekv.adapters.endpoint import check_reference
     from phasekv.evaluate.runner import run_eval
 
+    check_reference(args.endpoint is not None, args.reference_hf)
     if args.endpoint is not None:
         return run_endpoint(args)
-    if args.reference_hf is not None:
-        raise ValueError("--reference-hf: compares a served model with its weights in process: needs --endpoint")
     source, cfg = source_and_config(args)
     return run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
 
 
 def run_endpoint(args) -> dict[str, Any]:
     """`phasekv eval --endpoint`: the flags' prompt set through the served model (and through --reference-hf)."""
+    from phasekv.adapters.endpoint import open_endpoint
     from phasekv.config import EvalConfig, from_section
-    from phasekv.evaluate.compare import evaluate_endpoint
+    from phasekv.evaluate.served import evaluate_endpoint
     from phasekv.outputs import check_output_dir
 
     cfg = from_section(EvalConfig, given_flags(args), "eval")
@@ -191,13 +62,12 @@ def run_endpoint(args) -> dict[str, Any]:
     if args.reference_hf is not None:
         import torch
 
-        from phasekv.evaluate.hf import load_hf
+        from phasekv.adapters.hf import load_hf
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         reference, _ = load_hf(args.reference_hf, cfg.device, cfg.dtype, gguf_file=cfg.gguf_file)
-    adapter, tokenizer = open_endpoint_from_args(args)
-    try:
-        return evaluate_endpoint(adapter, tokenizer, cfg, args.out, args.force, not args.no_progress, reference)
-    finally:
-        adapter.close()
+    adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
+    with contextlib.closing(adapter):
+        return evaluate_endpoint(adapter, tokenizer, cfg, args.out, force=args.force, progress=not args.no_progress,
+                                 reference=reference)

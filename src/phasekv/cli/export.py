@@ -1,5 +1,5 @@
 """`phasekv export lm-eval`: the phase-sensitivity prompts as an lm-evaluation-harness task;
-`phasekv export gguf`: a DeepSeek-V4 checkpoint as a GGUF file llama.cpp serves (`phasekv.export_gguf`).
+`phasekv export gguf`: a DeepSeek-V4 checkpoint as a GGUF file llama.cpp serves (`phasekv.export.gguf`).
 
     phasekv export lm-eval --tokenizer PATH --format records --protocol prefix --out DIR
     lm_eval --model hf --model_args pretrained=PATH --include_path DIR --tasks phasekv_records_prefix
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from phasekv.cli.evaluate import add_prompt_set_arguments, given_flags
+from phasekv.cli.flags import add_prompt_set_arguments, given_flags
 
 
 def add_parser(sub) -> None:
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
 
 def run_gguf(args) -> dict[str, Any]:
     from phasekv.cli import check_inputs_untouched
-    from phasekv.export_gguf import export_gguf
+    from phasekv.export.gguf import export_gguf
 
     if args.hf_out is not None:  # main() checks --out; --hf-out is a second output directory
         try:
@@ -59,9 +59,9 @@ def run_gguf(args) -> dict[str, Any]:
 
 
 def run(args) -> dict[str, Any]:
-    from phasekv.cli.evaluate import check_prompt_count, prompts_at_least
+    from phasekv.cli.flags import check_prompt_count, prompts_at_least
     from phasekv.config import EvalConfig, from_section
-    from phasekv.evaluate.lmeval import export_lmeval
+    from phasekv.export.lmeval import export_lmeval
 
     cfg = from_section(EvalConfig, given_flags(args), "eval")
     check_prompt_count(prompts_at_least(cfg))  # before the tokenizer loads

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from phasekv.cli import check_positive
-from phasekv.cli.evaluate import add_prompt_arguments, add_source_arguments, source_and_config
+from phasekv.cli.flags import add_prompt_arguments, add_source_arguments, source_and_config
 
 
 def add_parser(sub) -> None:

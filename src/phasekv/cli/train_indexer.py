@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 def run(args) -> dict[str, Any]:
     import torch
 
-    from phasekv.evaluate.hf import load_hf
+    from phasekv.adapters.hf import load_hf
     from phasekv.outputs import MARKER, check_output_dir, publish
     from phasekv.train_indexer import IndexerTraining, train_indexer
 

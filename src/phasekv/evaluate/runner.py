@@ -3,7 +3,7 @@
 Two equivalent strategies (tested to agree):
   - multi-query: contexts are prefilled once, in batches, and each context's queries continue from
     its cache (one short forward per query instead of one long one), read in place (phasekv models
-    and full-attention transformers models, `phasekv.evaluate.adapter`); the leading tokens every
+    and full-attention transformers models, `phasekv.adapters`); the leading tokens every
     context shares are handed to adapters that declare `shares_prefix`, which prefill them once;
   - one-by-one: every full prompt is its own forward pass (the reference, and the fallback).
 `evaluate` writes the run's files: metrics.json (schema in the README), predictions.jsonl and
@@ -14,7 +14,6 @@ accuracy_by_source_and_query_phase.png).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,14 +23,14 @@ import torch
 from tqdm import tqdm
 
 from phasekv import distributed
+from phasekv.adapters.base import Adapter
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.evaluate.verdict import pair_period, query_phase_statistics, target_pairs, task_verdict
 from phasekv.figures.evaluation import plot_accuracy_by_residue, plot_cross_phase_heatmap
-from phasekv.outputs import check_output_dir, output_dir
+from phasekv.outputs import check_output_dir, output_dir, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +156,8 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        with open(out / "predictions.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+        write_json(out / "metrics.json", metrics)
+        write_jsonl(out / "predictions.jsonl", records, sort_keys=True)
         if figures:
             plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
                                      title=f"{adapter.info.name}: {eval_set.protocol} padding")

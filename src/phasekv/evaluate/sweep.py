@@ -42,7 +42,6 @@ and one row when they are equal (one-token candidates).  Writes sweep.json and s
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,9 +52,10 @@ import torch
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from phasekv.evaluate.adapter import Adapter
+from phasekv.adapters.base import Adapter
 from phasekv.evaluate.sources import Source, open_checkpoint
 from phasekv.figures.evaluation import plot_sweep
+from phasekv.outputs import write_json
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_i
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out / "sweep.json", result, sort_keys=False)
         plot_sweep(result, out / "sweep.png")
         log.info("wrote %s", out)
     return result
@@ -221,7 +221,7 @@ def sweep_source(source: Source, text: str, a: str, b: str, out: str | Path, fil
                              f"({vocab.decode(fillers[:6])} ...)")
         default_prefix = [vocab.bos]
     else:
-        from phasekv.evaluate.hf import load_hf
+        from phasekv.adapters.hf import load_hf
 
         adapter, tokenizer = load_hf(source.hf, device, dtype)
 

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from phasekv.adapters.base import Adapter
 from phasekv.archs import CycledLayer, architecture_of
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.profiles import accuracies, nan_interval, phase_bootstrap
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source

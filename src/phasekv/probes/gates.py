@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from phasekv.adapters.base import Adapter
 from phasekv.checkpoint import load_checkpoint, load_tensors
 from phasekv.compression import compressor_parameters
 from phasekv.config import EvalConfig, ModelConfig
-from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import (
     VECTOR_NOTE,
@@ -38,6 +38,7 @@ from phasekv.figures.probes import (
     plot_gate_profiles,
     plot_gate_trajectory,
 )
+from phasekv.outputs import write_json
 from phasekv.probes.concentration import Accumulator
 from phasekv.probes.hooks import attention_inputs, compressed_layers
 from phasekv.probes.output import write_result
@@ -132,7 +133,7 @@ def gate_report(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[torc
             plane = plot_concentration_plane(gates, out / "concentration_plane.png")
             result["figures"] = {"concentration_plane": str(plane),
                                  "gate_profiles": str(plot_gate_profiles(gates, out / "gate_profiles.png", top))}
-        (out / "gates.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out / "gates.json", result, sort_keys=False)
         log.info("wrote %s", out)
     return result
 

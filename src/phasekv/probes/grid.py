@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from phasekv.adapters.base import Adapter
 from phasekv.compression import compressors_of, shifted_windows
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.profiles import accuracies
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source

@@ -25,24 +25,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from phasekv.adapters.base import Adapter, Wrapped
 from phasekv.archs import architecture_of
 from phasekv.compression import Compressor
-from phasekv.evaluate.adapter import Adapter
 
 
-class QueryOnly(Adapter):
+class QueryOnly(Wrapped):
     """`inner` with its prefill forwards hidden from the o_proj hooks of this module (see the docstring)."""
 
     def __init__(self, inner: Adapter):
-        self.inner, self.info, self.module, self.device = inner, inner.info, inner.module, inner.device
-        self.shares_cache = inner.shares_cache
+        super().__init__(inner)
         self.armed = True  # read by the hooks at call time
-
-    def attention_layers(self) -> list[nn.Module]:
-        return self.inner.attention_layers()
-
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.logits(ids)
 
     def prefill(self, ids: torch.Tensor):
         self.armed = False
@@ -50,9 +43,6 @@ class QueryOnly(Adapter):
             return self.inner.prefill(ids)
         finally:
             self.armed = True
-
-    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        return self.inner.continue_from(cache, ids, repeats)
 
 
 def output_projection(adapter: Adapter, attn: nn.Module) -> nn.Module:

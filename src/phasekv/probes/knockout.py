@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from phasekv.adapters.base import Adapter
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet, build_eval_set
-from phasekv.evaluate.adapter import Adapter
 from phasekv.evaluate.profiles import accuracies, nan_interval, phase_bootstrap
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source

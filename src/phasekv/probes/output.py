@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from phasekv.outputs import write_json
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,6 @@ def write_result(out_dir: str | Path, stem: str, result: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     if plot is not None:
         result[key] = str(Path(plot(result, out / f"{stem}.png")).relative_to(out))
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / f"{stem}.json", result, sort_keys=False)
     log.info("wrote %s", out)
     return result

@@ -15,7 +15,6 @@ verdict, and the report says plainly when a claim does not hold at this scale.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import math
 import multiprocessing
@@ -39,7 +38,7 @@ from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
 from phasekv.families import family_name
 from phasekv.indexer import indexers_of
-from phasekv.outputs import output_dir
+from phasekv.outputs import output_dir, write_json
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
@@ -368,6 +367,6 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
             "elapsed_s": round(time.perf_counter() - started, 1),
         }
         check_finite(summary)
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        write_json(tmp / "summary.json", summary)
         write_report(summary, tmp, drawn)
     return summary

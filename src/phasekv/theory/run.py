@@ -16,7 +16,6 @@ Positions are 0-based (phase r = t mod S); query positions are 0..S-2.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from phasekv.outputs import write_json
 from phasekv.theory.flow import (
     FlowConfig,
     FlowResult,
@@ -346,5 +346,5 @@ def _run_theory(out: Path, seed: int, quick: bool, progress: bool = True) -> dic
     summary["figures"] = timed("figures", write_theory_figures, out, summary, result, t1_plot)
     timings["total"] = round(time.perf_counter() - start, 2)
     summary["timings_s"] = timings
-    (out / "theory_summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(out / "theory_summary.json", summary, indent=1, sort_keys=False, end="")
     return summary

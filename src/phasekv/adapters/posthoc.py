@@ -8,7 +8,7 @@ no complete window (the tail just before the local window) stay raw, as do the l
 the optional attention sink.  Queries then continue from the shorter cache at their true
 positions: `HFAdapter.continue_from` passes explicit position_ids, which set RoPE, while the
 mask only needs the cache length (every cached entry precedes every query).  A context is compressed
-once, at prefill; its queries all read that one compressed cache in place (`phasekv.evaluate.adapter`).
+once, at prefill; its queries all read that one compressed cache in place (`phasekv.adapters.hf`).
 
 Policies (one entry per window, per batch row and KV head):
   - `select:r`  the token at offset r of the window (a subset of the raw cache: equal to full
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from phasekv.evaluate.adapter import Adapter, HFAdapter, ModelInfo, read_only
+from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.hf import HFAdapter, read_only
 
 POLICIES = ("select:r", "mean", "max-norm")
 
@@ -138,25 +139,21 @@ def cache_bytes(cache: Cache) -> int:
                for t in (layer.keys, layer.values))
 
 
-class PosthocAdapter(Adapter):
+class PosthocAdapter(Wrapped):
     """An HFAdapter whose prefilled caches are compressed post hoc; `runner.predict` works unchanged.
 
     `bytes` records the (full, compressed) cache sizes of the last prefill."""
 
     shares_prefix = True  # the full prefill may share its prefix: compression starts from the whole cache
 
-    def __init__(self, inner: HFAdapter, policy: str, window: int, stride: int, local_window: int = 16):
+    def __init__(self, inner: HFAdapter, policy: str, *, window: int, stride: int, local_window: int = 16):
         check_geometry(window, stride, local_window)
-        self.inner, self.policy = inner, parse_policy(policy, window)
-        self.window, self.stride, self.local_window = window, stride, local_window
-        self.module, self.device = inner.module, inner.device
         i = inner.info
-        self.info = ModelInfo(f"{i.name} posthoc {policy} W{window}/S{stride}", i.vocab_size, i.num_layers,
-                              i.num_heads, i.num_kv_heads, i.head_dim, i.max_length, stride, local_window)
+        super().__init__(inner, ModelInfo(f"{i.name} posthoc {policy} W{window}/S{stride}", i.vocab_size, i.num_layers,
+                                          i.num_heads, i.num_kv_heads, i.head_dim, i.max_length, stride, local_window))
+        self.policy = parse_policy(policy, window)
+        self.window, self.stride, self.local_window = window, stride, local_window
         self.bytes = {"full": 0, "compressed": 0}
-
-    def attention_layers(self):
-        return self.inner.attention_layers()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("post-hoc compression happens between prefill and the queries: evaluate with "
@@ -180,6 +177,3 @@ class PosthocAdapter(Adapter):
         small = compress_cache(past, self.policy, self.window, self.stride, self.local_window)
         self.bytes = {"full": cache_bytes(past), "compressed": cache_bytes(small)}
         return small, length
-
-    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        return self.inner.continue_from(cache, ids, repeats)

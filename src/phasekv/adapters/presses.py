@@ -54,8 +54,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from phasekv.evaluate.adapter import Adapter, HFAdapter, ModelInfo
-from phasekv.evaluate.posthoc import cache_bytes
+from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.hf import HFAdapter
+from phasekv.adapters.posthoc import cache_bytes
 from phasekv.families import repeat_cache
 
 KVPRESS_VERSION = "0.5.5"  # the version the compatibility layer and tests/test_presses.py verify
@@ -261,7 +262,7 @@ def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return index
 
 
-class PressAdapter(Adapter):
+class PressAdapter(Wrapped):
     """An HFAdapter whose prefills run under a kvpress press; the queries continue from the compressed cache,
     so `runner.predict` (multi-query) and the audit's protocols and verdicts work unchanged.
 
@@ -278,19 +279,15 @@ class PressAdapter(Adapter):
             raise ValueError(f"press {self.spec.text}: kvpress's {self.spec.name} does not run on eager attention "
                              "(it returns attention weights): load the model with sdpa attention")
         self.press = self.spec.build()
-        self.inner, self.module, self.device = inner, inner.module, inner.device
-        self.rows_separately = self.spec.name in ROWS_SEPARATELY
         i = inner.info
+        super().__init__(inner, ModelInfo(f"{i.name} press {self.spec.text}", i.vocab_size, i.num_layers, i.num_heads,
+                                          i.num_kv_heads, i.head_dim, i.max_length, stride or i.stride, None))
+        self.rows_separately = self.spec.name in ROWS_SEPARATELY
         self.period = stride or i.stride or 1
-        self.info = ModelInfo(f"{i.name} press {self.spec.text}", i.vocab_size, i.num_layers, i.num_heads,
-                              i.num_kv_heads, i.head_dim, i.max_length, stride or i.stride, None)
         self.bytes = {"full": 0, "compressed": 0}
         self._kept = torch.zeros(self.period, dtype=torch.long)  # kept entries by phase, all layers, rows, heads
         self._seen = torch.zeros(self.period, dtype=torch.long)  # prefilled entries by phase
         self._full_bytes = 0
-
-    def attention_layers(self):
-        return self.inner.attention_layers()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("a press compresses the cache during prefill: evaluate with prefill + continue_from "

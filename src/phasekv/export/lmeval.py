@@ -8,25 +8,24 @@ filler would shift every later position and phase).  A document asks for ONE gre
 (`generate_until`, `max_gen_toks: 1`) and is correct when that token's text is the answer token's text,
 which the export checks no other token shares: so a document is correct exactly when the full-vocabulary
 argmax at the query position is the answer, `phasekv eval`'s criterion.  The shipped `utils.py`
-(`phasekv.evaluate.lmeval_task`) aggregates accuracy per residue group and per phase and the gaps.
+(`phasekv.export.lmeval_task`) aggregates accuracy per residue group and per phase and the gaps.
 
 Written to OUT: `<task>.yaml`, `prompts.jsonl`, `utils.py` and `export.json` (the resolved settings).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from phasekv.adapters.hf import load_tokenizer
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet, build_eval_set
-from phasekv.evaluate import lmeval_task
-from phasekv.evaluate.hf import load_tokenizer
 from phasekv.evaluate.sources import DEFAULT_STRIDE, prompt_settings, tokenizer_vocabulary
-from phasekv.outputs import check_output_dir, output_dir
+from phasekv.export import lmeval_task
+from phasekv.outputs import check_output_dir, output_dir, write_json, write_jsonl
 
 
 def lmeval_tokens(tokenizer: Any, text: str) -> list[int]:
@@ -111,9 +110,8 @@ def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: 
                "in_context_chance": eval_set.in_context_chance,
                "settings": {k: v for k, v in eval_set.settings.items() if k != "vocab"}}
     with output_dir(out, force) as tmp:
-        with open(tmp / "prompts.jsonl", "w") as f:
-            f.writelines(json.dumps(doc) + "\n" for doc in docs)
+        write_jsonl(tmp / "prompts.jsonl", docs)
         shutil.copyfile(lmeval_task.__file__, tmp / "utils.py")
         (tmp / f"{name}.yaml").write_text(task_yaml(name, eval_set.stride, eval_set.residue_modulus))
-        (tmp / "export.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+        write_json(tmp / "export.json", summary, default=str)
     return summary

@@ -1,12 +1,8 @@
-"""The one small interface evaluation and probes use to talk to a model (docs/architecture.md).
+"""Any transformers causal LM behind the adapter interface (`HFAdapter`), and loading one (`load_hf`).
 
-An adapter scores next-token logits for batches of token ids, either in one forward pass or by
-prefilling shared contexts once and continuing several queries from the cache.  Both phasekv models
-and Hugging Face causal LMs implement it; probes attach PyTorch hooks to `adapter.attention_layers()`
-(each layer's `self_attn` and its output projection, `o_proj` or the module the model's architecture
-names in `phasekv.archs`, have the same roles in both families).
-
-Every position is a real token: there is no padding, so a token's phase is its index in the input ids.
+Loading: a local directory or hub name (no download happens offline), safetensors only (pickle can run code), or a
+GGUF file through transformers' GGUF support; a model that is not a causal LM, or a tokenizer whose ids run past its
+embedding, is refused before any weight is read.
 
 Multi-query for transformers models (`HFAdapter`).  A prefilled cache of full-attention `DynamicLayer`s is
 read in place: the queries of one context sit side by side in ONE row, (B, n * t), each at the true
@@ -38,100 +34,22 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from phasekv.adapters.base import Adapter, ModelInfo
 from phasekv.archs import architecture_of
 from phasekv.archs.base import text_config
-from phasekv.cache import KVCache
-from phasekv.families import GIB, available_memory, compression_geometry
-from phasekv.model import PhaseKVForCausalLM
+from phasekv.distributed import resolve_device
+from phasekv.families import GIB, available_memory, check_fits
 
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 PACKED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # classes tests/test_multiquery.py checks the packed layout on
 # a suffix forward's masked attention costs about twice a causal prefill's per score (tiny Llama, 8K tokens), so on an
 # attention-bound model a shared prefix pays from about 3/4 of the context on (half of 2K tokens: 0.41 s vs 0.33 s)
 SHARE_PREFIX_FROM = 0.75
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_length: int
-    stride: int | None  # the compression stride that sets phase (None: no compression)
-    local_window: int | None  # raw tokens a compressed layer sees exactly (None: full attention)
-
-
-class Adapter:
-    info: ModelInfo
-    module: nn.Module
-    device: torch.device
-    shares_cache = False  # True: continue_from may continue many contexts' queries at once (batch_size contexts)
-    shares_prefix = False  # True: prefill(ids, prefix=P) may prefill the first P tokens once for every call
-
-    def attention_layers(self) -> list[nn.Module]:
-        """The attention module of each layer (exposing its output projection: `o_proj`, or what its architecture
-        names, `phasekv.archs`)."""
-        raise NotImplementedError
-
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, T) -> logits (B, T, V), one forward pass without cache."""
-        raise NotImplementedError
-
-    def next_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, T) -> the last position's logits (B, 1, V), one forward pass without cache."""
-        return self.logits(ids)[:, -1:]
-
-    def prefill(self, ids: torch.Tensor):
-        """ids (B, T) -> an opaque cache of the B contexts.  An adapter with `shares_prefix` also takes `prefix`:
-        the number of leading tokens every row (and every later call) has in common."""
-        raise NotImplementedError
-
-    def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        """Continue each of the cached contexts with `repeats` query rows each (context-major order):
-        ids (B * repeats, t) -> logits (B * repeats, t, V).  The cache itself is left unchanged."""
-        raise NotImplementedError
-
-    def check_length(self, length: int) -> None:
-        if length > self.info.max_length:
-            raise ValueError(f"prompt length {length} exceeds the model's context ({self.info.max_length} tokens)")
-
-
-class PhaseKVAdapter(Adapter):
-    # continue_from reads the cache in place (KVCache.shared), so one call may continue many contexts'
-    # queries at once without a copy of the cache per query
-    shares_cache = True
-
-    def __init__(self, model: nn.Module, name: str = "phasekv"):
-        cfg = model.config
-        self.module, self.device = model.eval(), next(model.parameters()).device
-        windowed = any(kind != "full" for kind in cfg.layer_types)
-        self.info = ModelInfo(name, cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-                              cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.phase_stride,
-                              cfg.local_window if windowed else None)
-
-    def attention_layers(self) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.module.model.layers]
-
-    @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.module(ids.to(self.device))
-
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> KVCache:
-        cache = KVCache()
-        self.module.prefill(ids.to(self.device), cache)  # the cache only: no logits of the context
-        return cache
-
-    @torch.no_grad()
-    def continue_from(self, cache: KVCache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        return self.module(ids.to(self.device), cache=cache.shared(repeats))
 
 
 @functools.cache
@@ -319,9 +237,85 @@ class HFAdapter(Adapter):
         return self.module(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_arg: past}).logits
 
 
-def adapter_for(model: nn.Module, name: str) -> Adapter:
-    """The adapter of a model of either family (`phasekv.families`)."""
-    if isinstance(model, PhaseKVForCausalLM):
-        return PhaseKVAdapter(model, name)
-    geometry = compression_geometry(model)  # transformers' own chunked compression: its stride is the phase stride
-    return HFAdapter(model, name, stride=geometry["stride"] if geometry else None)
+def load_hf(path: str, device: str = "cpu", dtype: str = "float32", *, device_map: str | None = None,
+            stride: int | None = None, local_window: int | None = None, gguf_file: str | None = None):
+    """(HFAdapter, tokenizer) for a local directory or hub name (no download happens offline).
+
+    device_map="auto" spreads a large model over the available GPUs (needs `accelerate`); `gguf_file`
+    loads that GGUF file inside `path` through transformers' GGUF support, dequantized to `dtype`
+    (needs the `gguf` extra: gguf + accelerate)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ValueError(f"--hf needs transformers ({exc})") from None
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
+    device = resolve_device(device)
+    local = _local_path(path, "--hf")
+    if gguf_file is not None and not (local / gguf_file).is_file():
+        raise ValueError(f"--gguf-file {gguf_file}: no such file in {path}")
+    if gguf_file is None and local.is_dir() and not any(local.glob("*.safetensors")) and any(local.glob("*.bin")):
+        raise ValueError(f"--hf {path}: holds only pickled .bin weights; phasekv loads safetensors only (pickle "
+                         "can run code): convert the weights to model.safetensors")
+    # safetensors only: never unpickle weights, not even with torch's weights_only loader
+    kwargs = {"dtype": getattr(torch, dtype), **({"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True})}
+    if device_map:
+        kwargs["device_map"] = device_map
+    source = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = load_tokenizer(path, gguf_file)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, **source)
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+    check_causal_lm(path, hf_config, len(tokenizer))
+    if not device_map:  # a device map spreads the weights over GPUs: accelerate checks what fits
+        check_fits(hf_config, bytes_per_value=torch.finfo(kwargs["dtype"]).bits // 8)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"--hf {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+    if not device_map:
+        model = model.to(device)
+    name = Path(path).name or str(path)
+    return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer
+
+
+def check_causal_lm(path: str, hf_config, tokenizer_size: int) -> None:
+    """Refuse, before any weight is read, a model transformers cannot load as a causal LM (a vision model such as
+    ViT) and a tokenizer whose ids run past the model's embedding (another model's tokenizer)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"--hf {path}: config.json describes a {type(hf_config).__name__} (model_type "
+                         f"{hf_config.model_type!r}), not a causal language model; phasekv evaluates next-token "
+                         "prediction")
+    text = hf_config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise ValueError(f"--hf {path}: the tokenizer has {tokenizer_size} token ids but the model's embedding only "
+                         f"{vocab} (vocab_size): ids from {vocab} on have no embedding; is it another model's "
+                         "tokenizer?")
+
+
+def load_tokenizer(path: str, gguf_file: str | None = None, flag: str = "--hf"):
+    """The transformers tokenizer of a local directory or hub name (no download happens offline)."""
+    from transformers import AutoTokenizer
+
+    _local_path(path, flag)
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except Exception as exc:  # noqa: BLE001 - transformers/tokenizers raise many types for a damaged model
+        raise ValueError(f"{flag} {path}: cannot load model/tokenizer ({_first_line(exc)})") from None
+
+
+def _local_path(path: str, flag: str) -> Path:
+    """`path` as a local path; refused when it looks like a path (not a hub name) but does not exist."""
+    local = Path(path).expanduser()
+    if (local.is_absolute() or path.startswith((".", "~"))) and not local.exists():
+        raise ValueError(f"{flag} {path}: no such directory")
+    return local
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,4 +1,6 @@
-"""Engine vs reference: the same prompts through a served model and through transformers on the same weights.
+"""A served model measured: `phasekv eval --endpoint` (`evaluate_endpoint`), and engine vs reference.
+
+Engine vs reference: the same prompts through a served model and through transformers on the same weights.
 
 For every prompt the engine's greedy next token is compared with the reference's argmax (and each with the
 answer: both accuracies per group), and the two log-probabilities of the engine's token are differenced (engine
@@ -7,7 +9,7 @@ per source phase (the target record's position mod S) and per query phase (the l
 varies under the query protocol), each with a Wilson 95% interval, with the mean signed and absolute
 log-probability differences: an engine whose disagreements concentrate on some phases is a finding about the
 engine, not about the model.  `phasekv eval --endpoint` and `phasekv audit --endpoint` take `--reference-hf DIR`
-for it (`evaluate_endpoint`, `report.audit.run_audit`).
+for it (`evaluate_endpoint` here, `report.audit.run_audit`).
 
 The reference runs through `predict` (contexts prefilled once, each query continued from the cache); `_Recorder`
 keeps, per prompt, the reference's argmax and its log-probability of the engine's token.
@@ -15,7 +17,6 @@ keeps, per prompt, the reference's argmax and its log-probability of the engine'
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -23,35 +24,34 @@ from typing import Any
 import numpy as np
 import torch
 
+from phasekv.adapters.base import Adapter, Wrapped
+from phasekv.adapters.endpoint import EndpointAdapter
+from phasekv.adapters.journal import keep_journal, prompt_key
 from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.adapter import Adapter
-from phasekv.evaluate.endpoint import EndpointAdapter, keep_journal, prompt_key
 from phasekv.evaluate.metrics import wilson_interval
 from phasekv.evaluate.runner import predict
+from phasekv.outputs import write_json
 
 
-class _Recorder(Adapter):
+class _Recorder(Wrapped):
     """`base`, recording for each prompt it scores (by `prompt_key`) its argmax and log-probability of `tokens[key]`."""
 
     def __init__(self, base: Adapter, tokens: dict[str, int]):
-        self.base, self.info, self.module, self.device = base, base.info, base.module, base.device
-        self.shares_cache, self.tokens = base.shares_cache, tokens
+        super().__init__(base)
+        self.tokens = tokens
         self.seen: dict[str, tuple[int, float]] = {}
 
-    def check_length(self, length: int) -> None:
-        self.base.check_length(length)
-
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.base.logits(ids)
+        out = self.inner.logits(ids)
         self._record(ids.tolist(), out)
         return out
 
     def prefill(self, ids: torch.Tensor):
-        return self.base.prefill(ids), ids.tolist()
+        return self.inner.prefill(ids), ids.tolist()
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         inner, contexts = cache
-        out = self.base.continue_from(inner, ids, repeats)
+        out = self.inner.continue_from(inner, ids, repeats)
         self._record([contexts[row // repeats] + q for row, q in enumerate(ids.tolist())], out)
         return out
 
@@ -100,11 +100,11 @@ def _group(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max_abs_dlogp": float(np.abs(diffs).max()) if diffs.size else None}
 
 
-def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path, force: bool = False,
+def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path, *, force: bool = False,
                       progress: bool = True, reference: Adapter | None = None) -> dict[str, Any]:
     """`phasekv eval --endpoint`: the prompt set `cfg` (an EvalConfig) describes for the served model, evaluated
     and published as OUT (the files of `phasekv eval`, plus endpoint.json and the journal); with `reference` (the
-    same weights in process), OUT/comparison.json too (`phasekv.evaluate.compare`)."""
+    same weights in process), OUT/comparison.json too."""
     from phasekv.evaluate.runner import write_run
     from phasekv.evaluate.sources import make_eval_set, prompt_settings, tokenizer_vocabulary
     from phasekv.outputs import output_dir
@@ -116,6 +116,6 @@ def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path,
     with output_dir(out, force) as tmp:
         metrics = write_run(adapter, eval_set, records, tmp, cfg.seed)
         if comparison is not None:
-            (tmp / "comparison.json").write_text(json.dumps(comparison, indent=2, sort_keys=True) + "\n")
+            write_json(tmp / "comparison.json", comparison)
     keep_journal(adapter, out)
     return metrics
