@@ -1,5 +1,5 @@
 """The query phase end to end: the query protocol through `predict` (prompts of different lengths), its
-statistics and verdict (phasekv.evaluate.metrics.query_phase_statistics), the source x query phase cells
+statistics and verdict (phasekv.evaluate.verdict.query_phase_statistics), the source x query phase cells
 against a plain count, the heatmap, and `phasekv audit --protocol query` with its report."""
 
 import json

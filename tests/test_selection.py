@@ -54,7 +54,7 @@ def test_the_distilled_indexer_matches_the_reference_too(tmp_path):
     q, k, v = _call()
     hidden = torch.randn(2, 40, 16)
     fast = _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden)
-    ref = sel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden)
+    ref = sel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden=hidden)
     assert torch.allclose(fast, ref, atol=1e-5)
 
 

@@ -209,7 +209,7 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
     -> ((B, Tq, H, D) output, (B, H, Tq, Tk) probabilities) under the module's selection."""
@@ -236,7 +236,7 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
 
 def reference_attention(spec: SelectionSpec, indexer: Any, module: nn.Module, query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                        key: torch.Tensor, value: torch.Tensor, *, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """The slow oracle of `selection_attention` for a plain causal call (keys at 0 .. T-1): one query at a time,
     candidates listed by hand, pools ranked by sorting, softmax over the gathered keys only.  -> (B, Tq, H, D)."""
     b, heads, tq, d = query.shape
@@ -416,7 +416,7 @@ def _pool_attended(record: dict[str, torch.Tensor], row: int, pool: int, positio
     return chosen, mass
 
 
-def selection_mechanism(adapter: SelectionAdapter, eval_set, per_phase: int = 8, batch_size: int = 8,
+def selection_mechanism(adapter: SelectionAdapter, eval_set, per_phase: int = 4, batch_size: int = 8,
                         progress: bool = True) -> dict[str, Any]:
     """The mechanism of selection, not only its accuracy: per phase of the target record (its position mod the
     pool), how often the answering query's selection holds the record's pool and the pool of its answer token

@@ -62,7 +62,7 @@ exactly s tokens (a depth trend of at most R - 1 tokens, linear in s, not period
 position mod R (the source phase) its groups hold the K pairs of each base residue, each at R shifts: their
 means are the class means Sigma_rho / K, equal under exact matching (equal class sums); their variances are
 those of each class's bases and are not matched, and the groups hold different pairs (so the evaluation takes the
-pair, not the cluster, as the unit of the source-phase statistics, `metrics.target_pairs`): the padding protocols
+pair, not the cluster, as the unit of the source-phase statistics, `verdict.target_pairs`): the padding protocols
 remain the test of the source phase.  `matching_stats(coordinate="query")` gives the first view.
 
 Realizing the bases.  In the base layout (s = 0) record i starts at 1 + f + w i, w = record length

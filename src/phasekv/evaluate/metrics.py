@@ -138,7 +138,7 @@ def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
 
 
 def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,  # long: the
-              seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict:  # metrics.json schema is one flat
+              seed: int = 0, n_perm: int = 2000, *, within: bool = True) -> dict:  # metrics.json schema is one flat
     # literal, read at a glance
     """All statistics of one evaluation as a JSON-ready dict of plain Python values (floats to 10 decimals).
 

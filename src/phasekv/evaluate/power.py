@@ -112,7 +112,7 @@ def layout(design: Design) -> dict[str, Any]:
             "chance": eval_set.chance, "in_context_chance": eval_set.in_context_chance}
 
 
-def simulate(design: Design, effect: Effect, replicates: int, rng: np.random.Generator, base: float = BASE_ACCURACY,
+def simulate(design: Design, effect: Effect, replicates: int, rng: np.random.Generator, *, base: float = BASE_ACCURACY,
              example_sd: float = EXAMPLE_SD, pair_sd: float = PAIR_SD) -> np.ndarray:
     """Correct (bool) of every prompt of `design` in each replicate: (replicates, prompts), the module doc's model."""
     lay = layout(design)

@@ -44,9 +44,9 @@ from phasekv.adapters.endpoint import EndpointAdapter, check_reference
 from phasekv.adapters.journal import keep_journal
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
-from phasekv.evaluate.metrics import task_verdict
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
+from phasekv.evaluate.verdict import task_verdict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
 from phasekv.outputs import output_dir, write_json
 from phasekv.report.html import comparison_table, figure, page, pct, query_phase_table

@@ -20,7 +20,7 @@ The claims (thresholds are the paper's numbers or phasekv's stated verdict const
   largest full-attention gap; inconclusive for a model that cannot do the task: flatness near a copier is empty);
   a model with token-level top-k selection (DeepSeek-V3.2's DSA: no window grid) is held to the same two claims,
   named "token-level top-k attention is flat", and is never paired with full attention in the KV-head ordering;
-* every compressed model is phase sensitive with period S (the three-part verdict of `metrics.task_verdict`
+* every compressed model is phase sensitive with period S (the three-part verdict of `verdict.task_verdict`
   and detected period = S); uniform averaging is still phase sensitive (gap lower bound >= 10 pp; paper 19.2);
 * the W8/S8 shape: worst phase below 20% (paper 5.7% at 1 KV, 9.9% at 8), at least 3 phases above 40% (the
   paper's mean 50.6% with no phase above 5.7 + 75.3 = 81% forces 3), and a within-window spread of phases
