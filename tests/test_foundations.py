@@ -338,7 +338,6 @@ def test_every_cited_section_and_rule_exists():
 # where a module's tests live when they are not in tests/test_<module>.py
 TESTED_IN = {
     "layers": "test_model.py",  # RMSNorm and RoPE against their references, with the model
-    "profiles": "test_probes.py",  # per-phase profiles and their paired bootstrap, through knockout and cycling
     "kernels": "test_attention.py",  # each kernel against its oracle, `windowed_attention_reference`
     "hf_config": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes
     "hf_registration": "test_hf_model.py",

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 KINDS = ("oracle", "mean", "max", "distilled:DIR")
@@ -115,12 +116,14 @@ def build_glm_indexers(hidden_size: int, layers: int, pool: int, heads: int, hea
 
 
 def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, T, hidden) -> (B, T, pools) scores of the real module's pools (from position 0), with grad."""
+    """(B, T, hidden) -> (B, T, ceil(T / pool)) scores of the real module's pools (from position 0), with grad; the
+    module leaves out a trailing incomplete pool (never a candidate), which comes back here as -inf."""
     from phasekv.archs.glm5_next import pool_scores
 
     mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
     scores, _, _ = pool_scores(indexer, hidden, hidden, mask)
-    return scores
+    pools = -(-hidden.shape[1] // indexer.index_kpool)
+    return F.pad(scores, (0, pools - scores.shape[-1]), value=float("-inf"))
 
 
 class Distilled(Indexer):
@@ -142,8 +145,7 @@ class Distilled(Indexer):
             raise ValueError(f"indexer=distilled: {self.directory} has {len(self.modules)} layers; the model's "
                              f"attention layer {layer} has no indexer")
         with torch.no_grad():
-            scores = glm_pool_scores(self.modules[layer], hidden.float())  # (B, T, pools)
-        return scores[:, None, :, :pools]
+            return glm_pool_scores(self.modules[layer], hidden.float())[:, None, :, :pools]
 
 
 def check_indexer(name: str, pool: int) -> None:

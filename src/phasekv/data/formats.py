@@ -47,7 +47,7 @@ Shipped formats: `records` (3-digit values, a prose header and tail), `records-n
 format a real model cannot do), and `records-4k`, `records-8k`, `needle-4k`, `needle-8k`: `records` and
 `needle` behind a prose preamble sized so that prompts are just under 4,096 / 8,192 tokens for SmolLM2's
 tokenizer (max positions 8,192) with the audit's defaults for records (24 records, 4 demonstrations) and
-the needle settings of the README (16 needles, 2 demonstrations).  A YAML file with the same fields
+the needle settings the audit uses (16 needles, 2 demonstrations).  A YAML file with the same fields
 defines a new one (`load_format`).
 """
 

@@ -6,7 +6,7 @@ Two equivalent strategies (tested to agree):
     and full-attention transformers models, `phasekv.adapters`); the leading tokens every
     context shares are handed to adapters that declare `shares_prefix`, which prefill them once;
   - one-by-one: every full prompt is its own forward pass (the reference, and the fallback).
-`evaluate` writes the run's files: metrics.json (schema in the README), predictions.jsonl and
+`evaluate` writes the run's files: metrics.json (schema in docs/results.md), predictions.jsonl and
 accuracy_by_residue.png (under the query protocol also the query-phase statistics and
 accuracy_by_source_and_query_phase.png).
 """
