@@ -6,6 +6,7 @@ protocol, accuracy, per-phase accuracy, the verdict, and the selection mechanism
 
 import json
 import sys
+from pathlib import Path
 
 
 def pct(x):
@@ -39,7 +40,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: selection_table.py SUMMARY.json")
     try:
-        data = json.loads(open(sys.argv[1]).read())
+        data = json.loads(Path(sys.argv[1]).read_text())
     except (OSError, ValueError) as e:
         sys.exit(f"selection_table.py: cannot read {sys.argv[1]}: {e}")
     print("\n".join(rows(data)))
