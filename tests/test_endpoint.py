@@ -201,7 +201,7 @@ def test_5xx_and_connection_errors_are_retried_then_reported_in_one_line():
 
 
 def test_an_unreachable_server_is_one_line():
-    from tests.engine import free_port
+    from phasekv.adapters.launch import free_port
 
     start = time.perf_counter()
     with pytest.raises(EndpointError, match="cannot reach the server .*after 2 tries") as err:
