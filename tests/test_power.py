@@ -1,7 +1,6 @@
 """Error rates and power of the default verdict, simulated on the real prompt designs (phasekv.evaluate.power)."""
 
 import argparse
-import inspect
 
 import numpy as np
 import pytest
@@ -45,9 +44,9 @@ def test_the_audit_default_has_at_most_5_percent_false_positives_and_80_percent_
 
 def test_the_cli_and_the_library_default_to_the_simulated_design():
     from phasekv.cli import audit as cli_audit
-    from phasekv.report.audit import run_audit
+    from phasekv.config import AuditPlan
 
-    assert inspect.signature(run_audit).parameters["prompts_per_phase"].default == AUDIT_PROMPTS_PER_PHASE
+    assert AuditPlan().prompts_per_phase == AUDIT_PROMPTS_PER_PHASE  # run_audit's default plan
     parser = argparse.ArgumentParser()
     cli_audit.add_parser(parser.add_subparsers())
     action = next(a for a in parser._subparsers._group_actions[0].choices["audit"]._actions
@@ -56,11 +55,11 @@ def test_the_cli_and_the_library_default_to_the_simulated_design():
     lay = layout(DESIGNS["audit-prefix"])
     assert len(lay["cluster"]) == 8 * AUDIT_PROMPTS_PER_PHASE
     assert np.all(np.bincount(lay["target_position"] % 8) == AUDIT_PROMPTS_PER_PHASE)
-    from phasekv.report.audit import _clusters
+    from phasekv.evaluate.sources import audit_clusters
 
     for protocol in ("prefix", "insequence", "query"):
         for per_phase in (64, AUDIT_PROMPTS_PER_PHASE):
-            assert audit_design(protocol, per_phase).n_clusters == _clusters(per_phase, 2, protocol, 8)
+            assert audit_design(protocol, per_phase).n_clusters == audit_clusters(per_phase, 2, protocol, 8)
 
 
 def test_the_simulated_accuracies_are_the_stated_ones_averaged_over_the_random_effects():
