@@ -56,12 +56,13 @@ BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform",
            "full-8kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
            "dsv4-hca", "dsv4-csa", "qwen3-full", "dsv32-dsa"]  # the last four: transformers' own DeepSeek-V4 (HCA
 # layers, CSA layers with the lightning indexer), Qwen3 and DeepSeek-V3.2 (token-level top-k DSA)
+# the per-protocol metrics a summary keeps (period_scores: the findings name the verdict's period from them)
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
                "per_residue", "per_phase", "n_prompts", "stride", "residue_modulus", "position_matching", "chance",
                "in_context_chance", "can_do_task", "phase_sensitive", "verdict_parts", "verdict", "gap_ci_basic_pp",
                "within_flatness_p", "cochran_p", "n_clusters", "contrast_crossfit_pp", "contrast_crossfit_bounds_pp",
-               "contrast_crossfit_se_pp", "minimum_detectable_gap_pp")
+               "contrast_crossfit_se_pp", "minimum_detectable_gap_pp", "period_scores")
 
 
 def discover(checkpoints: Path, names: list[str] | None = None) -> dict[str, Path]:
