@@ -195,6 +195,18 @@ def check_output_dir(out: Path, force: bool) -> None:
         raise ValueError(f"--out {out}: cannot be created, {parent} is not writable")
 
 
+def mark(directory: Path) -> None:
+    """Mark `directory` as a phasekv output (`--force` may replace only such directories)."""
+    (directory / MARKER).write_text("written by phasekv: `--force` may replace this directory\n")
+
+
+def publish_checked(tmp: Path, out: Path, force: bool) -> None:
+    """Flush the complete directory `tmp`, check `out` again (nothing appeared there meanwhile) and publish."""
+    fsync_tree(tmp)
+    check_output_dir(out, force)
+    publish(tmp, out)
+
+
 @contextlib.contextmanager
 def output_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside `out`; on success publish it as `out` (replacing an old
@@ -208,11 +220,9 @@ def output_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        (tmp / MARKER).write_text("written by phasekv: `--force` may replace this directory\n")
+        mark(tmp)
         yield tmp
-        fsync_tree(tmp)
-        check_output_dir(out, force)  # nothing appeared at --out meanwhile
-        publish(tmp, out)
+        publish_checked(tmp, out, force)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from phasekv.adapters.indexers import CONFIG_FILE, WEIGHTS_FILE, build_glm_indexers, glm_pool_scores
 from phasekv.adapters.selection import SelectionSpec, candidate_pools, select_pools
+from phasekv.archs.base import text_config
 from phasekv.indexer import kl_to_attention
 from phasekv.outputs import write_atomic
 
@@ -211,7 +212,7 @@ def train_indexer(model, tokenizer, out: Path, cfg: IndexerTraining, *, model_na
     feats = cached_features(model, sequences, cfg.pool, out / FEATURES_FILE, progress)
     features_s = time.perf_counter() - started
     train, test = feats[:cfg.sequences], feats[cfg.sequences:]
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     indexers = build_glm_indexers(text.hidden_size, len(feats[0]["hidden"]), cfg.pool, cfg.heads, cfg.head_dim,
                                   seed=cfg.seed)
     before = held_out(indexers, test, cfg)

@@ -34,7 +34,7 @@ def run(args) -> dict[str, Any]:
     import torch
 
     from phasekv.adapters.hf import load_hf
-    from phasekv.outputs import MARKER, check_output_dir, publish
+    from phasekv.outputs import check_output_dir, mark, publish_checked
     from phasekv.train_indexer import IndexerTraining, train_indexer
 
     if not args.lr > 0:
@@ -51,7 +51,7 @@ def run(args) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     config = train_indexer(adapter.module, tokenizer, work, cfg, model_name=adapter.info.name,
                            progress=not args.no_progress)
-    (work / MARKER).touch()
     (work / "features.safetensors").unlink(missing_ok=True)  # the resume cache, not part of the result
-    publish(work, out)
+    mark(work)
+    publish_checked(work, out, args.force)
     return config
