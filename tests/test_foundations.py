@@ -142,7 +142,7 @@ MANY_POSITIONAL = {
     "evaluate/metrics.py": {"_flatness_test"}, "evaluate/verdict.py": {"query_phase_statistics"},
     "evaluate/runner.py": {"evaluate", "write_run"},
     "evaluate/sweep.py": {"_check_sweep", "run_sweep", "sweep_source"}, "report/findings.py": {"_finding"},
-    "report/reproduce.py": {"_cycling", "reproduce"}, "probes/cycle.py": {"_cycle_rows", "run_cycling"},
+    "report/reproduce.py": {"_cycling", "reproduce"},
     "probes/gates.py": {"gate_report", "gates_on"}, "probes/knockout.py": {"run_knockout", "run_knockout_on"},
     "data/lookup.py": {"assemble"}, "data/protocols.py": {"build_eval_set", "_design_targets"},
     "theory/model.py": {"reference_query_loss"}, "theory/optimum.py": {"oracle_descent", "theorem1_check"},
