@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from phasekv.report.findings import count_line
+    from phasekv.report.reasons import reason_text
     from phasekv.report.reproduce import reproduce
 
     if args.jobs < 1:
@@ -36,3 +37,5 @@ def run(args) -> None:
     for f in summary["findings"]:
         if f["status"] in ("fails", "inconclusive"):
             sys.stdout.write(f"  {f['status']}: {f['claim']}: {f['measured']}\n")
+            if f.get("reason"):
+                sys.stdout.write(f"    why: {reason_text(f)}\n")

@@ -45,6 +45,7 @@ from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
 from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
+from phasekv.report.reasons import explained
 from phasekv.theory import run_theory
 from phasekv.train import read_metrics, train
 
@@ -361,7 +362,7 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         summary = {
             "models": models,
             "theory": theory,
-            "findings": findings(models),
+            "findings": explained(findings(models), models),
             "fixes": fixes(models),
             "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain_models,
                          "train_seconds": train_times},
