@@ -94,3 +94,18 @@ def test_the_command_updates_a_document_and_refuses_a_summary_of_another_kind(tm
     (tmp_path / "bare.md").write_text("no markers\n")
     assert command.main([str(run), "--update", str(tmp_path / "bare.md"), "--keep", str(tmp_path / "k.json")]) == 2
     assert "no generated part" in capsys.readouterr().err and not (tmp_path / "k.json").exists()
+
+
+def test_a_findings_reason_and_a_cycling_outcome_reach_the_document():
+    summary = fixture_summary()
+    changed = copy.deepcopy(summary)
+    failing = next(f for f in changed["findings"] if f["status"] == "fails")
+    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on", "evidence": "docs/x.md"}
+    row = next(d for m in changed["models"].values() for d in (m.get("cycling") or {}).get("deltas", [])
+               if d["delta"] != 0)
+    row["status"] = "destroyed"
+    before, after = (results_doc.render({"run": s}) for s in (summary, changed))
+    assert "| recipe: the layout it was trained on (docs/x.md) |" in after and "recipe:" not in before
+    shown = f"{row['delta']:+d}: " + ("-" if row["r2_excl_boundary"] is None else f"{row['r2_excl_boundary']:.2f}")
+    assert f"{shown} destroyed" in after and f"{shown} destroyed" not in before
+    assert results_doc.render({"run": results_doc.trim(changed)}) == after  # trim keeps both
