@@ -12,6 +12,7 @@ from phasekv.probes.cycle_outcome import (
     judge,
     outcome,
     shift_set,
+    varies,
     wrap,
 )
 
@@ -133,3 +134,13 @@ def test_tied_rolls_are_drawn_at_random_not_given_to_one_shift():
 @pytest.mark.parametrize("delta", [-3, -1, 1, 3])
 def test_moved_is_refused_when_the_gates_moved_the_curve_the_other_way(delta):
     assert cycled(rolled(-delta), delta)["status"] != "moved"
+
+
+def test_the_cycled_curve_varies_when_its_chi_square_rejects_at_5_percent():
+    def two_phases(k2):
+        return [{"phase": p, "correct": i < k} for p, k in ((0, 50), (1, k2)) for i in range(100)]
+
+    both = np.array([0, 1])
+    flat_enough, p = varies(two_phases(63), both, 2)
+    assert flat_enough is False and 0.05 < p < 0.1
+    assert varies(two_phases(65), both, 2)[0] is True and varies(two_phases(50), both, 2)[0] is False

@@ -67,14 +67,14 @@ def test_fewer_compressor_heads_than_the_phases_a_claim_needs_is_a_matter_of_sca
 
 
 def test_orderings_at_the_ceiling_or_between_binary_curves_are_not_testable_here():
-    top = CEILING_PCT / 100
-    tied = {"full-4kv": full(kv=4, mean=top + 0.005), "full-8kv": full(kv=8, mean=top + 0.005)}
+    assert (CEILING_PCT, BINARY_GAP_PP) == (98.0, 95.0)
+    tied = {"full-4kv": full(kv=4, mean=0.98), "full-8kv": full(kv=8, mean=0.98)}
     assert category(tied, "mean(full, 8 KV) > mean(full, 4 KV)") == "claim not testable here"
-    below = {"full-4kv": full(kv=4, mean=top - 0.005), "full-8kv": full(kv=8, mean=top - 0.005)}
+    below = {"full-4kv": full(kv=4, mean=0.9799), "full-8kv": full(kv=8, mean=0.9799)}
     assert category(below, "mean(full, 8 KV) > mean(full, 4 KV)") == "protocol"  # the interval spans 0
-    binary = {"w8s4": model(stride=4, window=8, gap=BINARY_GAP_PP + 2.5), "w8s8": model(gap=BINARY_GAP_PP + 3)}
+    binary = {"w8s4": model(stride=4, window=8, gap=95.0), "w8s8": model(gap=95.5)}
     assert category(binary, "gap(W8/S4) < gap(W8/S8)") == "claim not testable here"
-    graded = {"w8s4": model(stride=4, window=8, gap=BINARY_GAP_PP - 0.5), "w8s8": model(gap=BINARY_GAP_PP)}
+    graded = {"w8s4": model(stride=4, window=8, gap=94.99), "w8s8": model(gap=95.0)}
     assert category(graded, "gap(W8/S4) < gap(W8/S8)") == "protocol"
 
 
@@ -116,3 +116,14 @@ def test_cycling_whose_payload_control_moves_the_curve_is_the_recipe():
 def test_an_interval_that_spans_its_threshold_is_the_protocol():
     r = why({"w8s8-spans": model(gap=15, gap_ci=[7, 20], phases=[0.6] * 7 + [0.3])}, "w8s8-spans: phase sensitive")
     assert r["category"] == "protocol" and "spans 10" in r["because"] and r["evidence"] == "docs/power.md"
+
+
+def test_the_scale_rules_are_pinned_at_their_boundaries():
+    def lowest(bound):
+        m = model(stride=4, window=8, kv=4, phases=[1.0] * 4, gap=3, gap_ci=[0, 6], flatness_p=0.3)
+        m["prefix"]["per_phase"][2].update(accuracy=0.45, ci_low=bound, ci_high=0.5)
+        return category({"m": m}, "m: phase sensitive")
+
+    assert lowest(0.40) == "scale" and lowest(0.3999) == "not diagnosed"  # every phase's bound at least 40%
+    three = {**model(phases=[1.0, 1.0] + [0.02] * 6), "layers": 3}  # 3 compressor heads: enough for the claim
+    assert category({"w8s8": three}, "w8s8: W8/S8 at least 3") == "not diagnosed"
