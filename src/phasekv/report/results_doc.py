@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.outputs import write_atomic
+from phasekv.probes.cycle_outcome import R2_FLOOR
 from phasekv.report.findings import count_line
 from phasekv.report.reasons import reason_text
 
@@ -157,8 +158,7 @@ def cycling_section(models: dict[str, dict[str, Any]]) -> list[str]:
     for name, m in models.items():
         deltas = (m.get("cycling") or {}).get("deltas") or []
         if deltas:
-            rows.append([name, "; ".join(f"{d['delta']:+d}: " + ("-" if d.get("r2_excl_boundary") is None
-                                                                   else f"{d['r2_excl_boundary']:.2f}")
+            rows.append([name, "; ".join(f"{d['delta']:+d}: {_r2(d.get('r2_excl_boundary'))}"
                                          + (f" {d['status']}" if d.get("status") else "")
                                          for d in deltas if d["delta"] != 0)])
     if not rows:
@@ -169,6 +169,12 @@ def cycling_section(models: dict[str, dict[str, Any]]) -> list[str]:
             "cycled curve does not vary), and the outcome: moved, did not move, destroyed (down to the in-context "
             "copier's level) or inconclusive (`phasekv/probes/cycle_outcome.py`; no outcome in a run made before "
             "they were recorded).", "", *table(["model", "R^2 and outcome by delta"], rows), ""]
+
+
+def _r2(r2: float | None) -> str:
+    """R^2 as the document shows it: '-' without one, '<= -1' at or below the floor (`cycle_outcome.R2_FLOOR`: a
+    run made before the floor stored R^2 of -10^4 where cycling flattened the curve)."""
+    return "-" if r2 is None else f"<= {R2_FLOOR:.0f}" if r2 <= R2_FLOOR else f"{r2:.2f}"
 
 
 def theory_section(theory: dict[str, Any]) -> list[str]:
