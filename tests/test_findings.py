@@ -216,3 +216,104 @@ def test_fixes_rows_and_goal():
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": costly})[0]["goal_met"]
     weak = model(kv=4, window=9, mean=0.5, gap=10)  # flat but worse than the baseline's lower bound
     assert not fixes({"w8s8-4kv": base, "w9s8-4kv": weak})[0]["goal_met"]
+
+
+def test_every_threshold_of_the_findings_is_pinned_at_its_boundary():
+    """Each constant just inside and just outside its boundary: changing one breaks a line here."""
+    from phasekv.report import findings as F
+
+    assert (F.FULL_FLAT_PP, F.W8S8_WORST_PCT, F.WITHIN_WINDOW_PP, F.COVERED_PCT, F.W8S8_COVERED) == (
+        6.1, 20.0, 50.0, 40.0, 3)
+    # full attention is flat: the selection-free gap's interval strictly below 6.1 pp
+    assert status(findings({"f": full(mean=0.3, gap=3.0, gap_ci=[1.0, 6.09])}), "f: full attention is flat") == "holds"
+    assert status(findings({"f": full(mean=0.3, gap=3.0, gap_ci=[1.0, 6.1])}), "f: full attention") == "inconclusive"
+    assert status(findings({"f": full(mean=0.3, gap=8.0, gap_ci=[6.1, 9.0])}), "f: full attention is flat") == "fails"
+    # learns: the mean's lower bound at least 2 x the in-context chance (8%)
+    assert status(findings({"f": full(mean=0.09, mean_ci=[0.08, 0.1])}), "f: learns") == "holds"
+    assert status(findings({"f": full(mean=0.09, mean_ci=[0.0799, 0.1])}), "f: learns") == "inconclusive"
+    # phase sensitive: flatness p strictly below 0.05, the contrast's lower bound >= 10, the gap above the null p95
+    curve = [0.9] * 7 + [0.05]
+    edge = {"phases": curve, "gap": 50.0, "gap_ci": [10.0, 60.0], "flatness_p": 0.0499, "null_p95": 49.99}
+    assert status(findings({"m": model(**edge)}), "m: phase sensitive") == "holds"
+    assert status(findings({"m": model(**{**edge, "flatness_p": 0.05})}), "m: phase sensitive") == "fails"
+    assert status(findings({"m": model(**{**edge, "gap_ci": [9.99, 60.0]})}), "m: phase sensitive") == "inconclusive"
+    assert status(findings({"m": model(**{**edge, "gap_ci": [2.0, 9.99]})}), "m: phase sensitive") == "fails"
+    assert status(findings({"m": model(**{**edge, "null_p95": 50.0})}), "m: phase sensitive") == "fails"
+    # uniform averaging: the same material bound
+    assert status(findings({"u": model(uniform=True, gap=20, gap_ci=[10.0, 30.0])}), "u: uniform") == "holds"
+    assert status(findings({"u": model(uniform=True, gap=20, gap_ci=[9.99, 30.0])}), "u: uniform") == "inconclusive"
+
+
+def shaped(worst=(0.1, 0.15), third=(0.5, 0.6), spread=(0.8, 0.3)):
+    """A W8/S8 curve with hand-set Wilson intervals: the worst phase (7), the third-best phase (2), and the best
+    (phase 0, lower bound spread[0]) and weakest (phase 6, upper bound spread[1]) of phases 0..6."""
+    m = model()
+    rows = [{"phase": i, "accuracy": 0.9, "ci_low": 0.85, "ci_high": 0.95, "n": 600} for i in range(8)]
+    rows[0].update(accuracy=0.95, ci_low=spread[0], ci_high=0.99)
+    rows[2].update(accuracy=sum(third) / 2, ci_low=third[0], ci_high=third[1])
+    rows[6].update(accuracy=0.28, ci_low=0.26, ci_high=spread[1])
+    rows[3:6] = [{**r, "accuracy": 0.3, "ci_low": 0.26, "ci_high": 0.34} for r in rows[3:6]]
+    rows[7].update(accuracy=sum(worst) / 2, ci_low=worst[0], ci_high=worst[1])
+    m["prefix"]["per_phase"] = rows
+    return findings({"w": m})
+
+
+def test_the_w8s8_shape_thresholds_are_pinned_at_their_boundaries():
+    assert status(shaped(worst=(0.1, 0.1999)), "w: W8/S8 worst phase") == "holds"
+    assert status(shaped(worst=(0.1, 0.2)), "w: W8/S8 worst phase") == "inconclusive"
+    assert status(shaped(worst=(0.2, 0.3)), "w: W8/S8 worst phase") == "fails"
+    assert status(shaped(third=(0.4, 0.5)), "w: W8/S8 at least 3") == "holds"  # phases 0, 1, 2 clearly above 40%
+    assert status(shaped(third=(0.3999, 0.5)), "w: W8/S8 at least 3") == "inconclusive"
+    assert status(shaped(third=(0.2, 0.3999)), "w: W8/S8 at least 3") == "fails"
+    assert status(shaped(spread=(0.8, 0.3)), "w: W8/S8 within-window") == "holds"  # 80 - 30 = 50
+    assert status(shaped(spread=(0.8, 0.3001)), "w: W8/S8 within-window") == "inconclusive"
+
+
+def test_the_cycling_and_knockout_and_fix_thresholds_are_pinned_at_their_boundaries():
+    from phasekv.report import findings as F
+
+    assert (F.CYCLING_R2, F.CYCLING_DELTAS_NEEDED, F.USED_DROP_PCT, F.BYTES_TOLERANCE) == (0.66, 4, 10.0, 0.05)
+
+    def cycled(lows):
+        m = model(shared=True)
+        m["cycling"] = {"deltas": [{"delta": d, "r2_excl_boundary": low, "r2_excl_boundary_ci": [low, 0.99]}
+                                   for d, low in zip((-3, -2, -1, 1, 2, 3), lows)]}
+        return findings({"c": m})
+
+    assert status(cycled([0.66] * 4 + [0.1] * 2), "c: gate cycling") == "holds"  # 4 of 6 at the bar
+    assert status(cycled([0.6599] + [0.66] * 3 + [0.1] * 2), "c: gate cycling") == "inconclusive"
+    m = model(shared=True)
+    highs = [0.9] * 3 + [0.6599] * 3  # 3 deltas wholly below the bar
+    m["cycling"] = {"deltas": [{"delta": d, "r2_excl_boundary": 0.5,
+                                "r2_excl_boundary_ci": [0.5 if h < 0.66 else 0.8, h]}
+                               for d, h in zip((-3, -2, -1, 1, 2, 3), highs)]}
+    assert status(findings({"c": m}), "c: gate cycling") == "fails"  # 3 above, 3 wholly below: 4 cannot be reached
+
+    def arch(drop):
+        m = model(stride=4, window=4, gap=1, period=1, flatness_p=1.0)
+        return {**m, "family": "transformers", "architecture": "X", "compressed_layers": [1],
+                "knockout": {"rows": [{"layer": 1, "kv_head": 0, "mean_rel_change_pct": drop}]}}
+
+    verdicts = {f["claim"].split(":")[0]: f for f in findings({"used": arch(-10.0), "unused": arch(-9.99)})}
+    assert verdicts["used"]["status"] == "fails" and verdicts["unused"]["status"] == "inconclusive"
+    base = model(kv=4, mean=0.86, gap=90, bytes_per_token=320.0)  # mean_ci [0.85, 0.87]
+
+    def goal(**kw):
+        fix = model(kv=4, window=9, **{"mean": 0.9, "gap": 30.0, "bytes_per_token": 335.99, **kw})
+        return fixes({"w8s8-4kv": base, "w9s8-4kv": fix})[0]["goal_met"]
+
+    assert goal()  # just under 5% more bytes, a third of the gap
+    assert not goal(bytes_per_token=336.1) and not goal(gap=30.01)
+    assert goal(mean=0.85) and not goal(mean=0.8499)  # the baseline's lower bound
+
+
+def test_the_material_bound_of_a_finding_is_the_selection_free_contrast_only():
+    """Other intervals, however high, never make a compressed model phase sensitive or uniform averaging material."""
+    m = model(phases=[0.9] * 7 + [0.05], gap=85, gap_ci=[5.0, 9.0])
+    m["prefix"].update(gap_ci_basic_pp=[80.0, 90.0], gap_crossfit_ci_pp=[80.0, 90.0], gap_ci_pp=[80.0, 90.0])
+    u = model(uniform=True, gap=20, gap_ci=[5.0, 9.0])
+    u["prefix"].update(gap_ci_basic_pp=[15.0, 25.0], gap_crossfit_ci_pp=[15.0, 25.0])
+    found = findings({"m": m, "u": u})
+    assert status(found, "m: phase sensitive") == "fails" and status(found, "u: uniform") == "fails"
+    m["prefix"].update(contrast_crossfit_bounds_pp=None, contrast_crossfit_pp=None)
+    assert status(findings({"m": m}), "m: phase sensitive") == "inconclusive"  # not bounded: never material

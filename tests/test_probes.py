@@ -34,7 +34,8 @@ from phasekv.probes import (
     run_cycling,
     run_knockout,
 )
-from phasekv.probes.cycle import averaged_payloads, r_squared, rolled_payloads
+from phasekv.probes.cycle import averaged_payloads, rolled_payloads
+from phasekv.probes.cycle_outcome import r_squared
 from phasekv.probes.knockout import accuracies, relative_change
 
 W = 4

@@ -52,6 +52,12 @@ def test_reproduce_end_to_end(tmp_path, capsys):
     w = summary["models"]["w4s4"]
     assert w["gates"] and w["cycling"]["deltas"] and w["gate_trajectory"]["steps"] == [2, 4]
     assert summary["theory"] and summary["findings"]
+    for f in summary["findings"]:  # every claim that does not hold says why, with its evidence
+        assert ("reason" in f) == (f["status"] in ("fails", "inconclusive")), f["claim"]
+    for row in w["cycling"]["deltas"]:  # each shift's outcome, and no R^2 below -1
+        assert row["status"] in ("moved", "did not move", "destroyed", "inconclusive", None)
+        assert (row["status"] is None) == (row["delta"] % 4 == 0)
+        assert row["r2_excl_boundary"] is None or row["r2_excl_boundary"] >= -1
     for where, value in _walk_numbers(summary):
         assert math.isfinite(value), where
     page = (out / "report.html").read_text()

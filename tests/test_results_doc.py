@@ -94,3 +94,23 @@ def test_the_command_updates_a_document_and_refuses_a_summary_of_another_kind(tm
     (tmp_path / "bare.md").write_text("no markers\n")
     assert command.main([str(run), "--update", str(tmp_path / "bare.md"), "--keep", str(tmp_path / "k.json")]) == 2
     assert "no generated part" in capsys.readouterr().err and not (tmp_path / "k.json").exists()
+
+
+def test_a_findings_reason_and_a_cycling_outcome_reach_the_document():
+    summary = fixture_summary()
+    changed = copy.deepcopy(summary)
+    failing = next(f for f in changed["findings"] if f["status"] == "fails")
+    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on", "evidence": "docs/full1kv.md"}
+    row = next(d for m in changed["models"].values() for d in (m.get("cycling") or {}).get("deltas", [])
+               if d["delta"] != 0)
+    row["status"] = "destroyed"
+    before, after = (results_doc.render({"run": s}) for s in (summary, changed))
+    assert "| recipe: the layout it was trained on (docs/full1kv.md) |" in after and "recipe:" not in before
+    shown = f"{row['delta']:+d}: " + results_doc._r2(row["r2_excl_boundary"])
+    assert f"{shown} destroyed" in after and f"{shown} destroyed" not in before
+    assert results_doc.render({"run": results_doc.trim(changed)}) == after  # trim keeps both
+
+
+def test_the_document_never_shows_an_r2_below_minus_one():
+    shown = [results_doc._r2(x) for x in (None, -20763.98, -1.0, -0.999, 0.5)]
+    assert shown == ["-", "<= -1", "<= -1", "-1.00", "0.50"]

@@ -25,13 +25,17 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from phasekv.report.findings import count_line
+    from phasekv.report.reasons import reason_text
     from phasekv.report.reproduce import reproduce
 
     if args.jobs < 1:
         raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
     summary = reproduce(args.out, args.checkpoints, args.models, args.train, args.configs, args.bundle,
-                        args.quick, args.seed, not args.no_progress, args.jobs, args.force)
+                        quick=args.quick, seed=args.seed, progress=not args.no_progress, jobs=args.jobs,
+                        force=args.force)
     sys.stdout.write(f"{count_line(summary['findings'])}; report: {Path(args.out) / 'report.html'}\n")
     for f in summary["findings"]:
         if f["status"] in ("fails", "inconclusive"):
             sys.stdout.write(f"  {f['status']}: {f['claim']}: {f['measured']}\n")
+            if f.get("reason"):
+                sys.stdout.write(f"    why: {reason_text(f)}\n")

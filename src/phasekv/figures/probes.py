@@ -169,7 +169,8 @@ def _cycling_panel(ax, row: dict[str, Any], S: int, boundaries: list[int]) -> No
     for b in boundaries:
         ax.axvspan(b - 0.5, b + 0.5, color="C3", alpha=0.1)
     r2 = row["r2_excl_boundary"]
-    ax.set_title(f"delta {row['delta']:+d}: R2 {'n/a' if r2 is None else f'{r2:.2f}'} excl. boundary, "
+    outcome = f"{row['status']}, " if row.get("status") else ""
+    ax.set_title(f"delta {row['delta']:+d}: {outcome}R2 {'n/a' if r2 is None else f'{r2:.2f}'} excl. boundary, "
                  f"MAE {100 * row['mae']:.1f} pp", fontsize=8)
     ax.set_xticks(phases)
     ax.set_ylim(0, 105)

@@ -8,8 +8,9 @@ with the payload maps C_i fixed, makes the gate favour offset i + delta where it
 phase profile of accuracy is set by the gates alone, it moves with them:
     A_delta(r) ~ A_0((r - delta) mod S).
 The boundary phase of each layer (the phase of its windows' last offset: S - 1 for windows that
-start at 0, earlier for staggered layers) is excluded from the headline R^2: its weakness comes from
-the window boundary (the successor sits in the next entry), which cycling does not move.
+start at 0, earlier for staggered layers) is excluded from the headline R^2 and the shift: its weakness comes
+from the window boundary (the successor sits in the next entry), which cycling does not move.  Each delta's
+outcome, "moved", "did not move" or "destroyed", with its statistics: `phasekv.probes.cycle_outcome`.
 
 Offset-specific gate parameters are those each compressor declares (`offset_gate_parameters`: one
 slice per offset on dim 0); maps shared by several offsets are left alone, payload maps are never
@@ -35,10 +36,11 @@ from phasekv.adapters.base import Adapter
 from phasekv.archs import CycledLayer, architecture_of
 from phasekv.config import EvalConfig
 from phasekv.data.protocols import EvalSet
-from phasekv.evaluate.profiles import accuracies, nan_interval, phase_bootstrap
+from phasekv.evaluate.profiles import accuracies
 from phasekv.evaluate.runner import predict
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.figures.probes import plot_cycling
+from phasekv.probes.cycle_outcome import outcome
 from phasekv.probes.gates import gate_statistics
 from phasekv.probes.hooks import compressed_layers
 from phasekv.probes.output import write_result
@@ -118,12 +120,6 @@ def boundary_phases(model: nn.Module | Adapter) -> list[int]:
     return sorted({cl.boundary for cl in cycled_layers(model)})
 
 
-def r_squared(observed: np.ndarray, predicted: np.ndarray) -> float | None:
-    """1 - SS_res / SS_tot about the observed mean; None when the observed values are all equal."""
-    total = float(((observed - observed.mean()) ** 2).sum())
-    return None if total == 0 else 1 - float(((observed - predicted) ** 2).sum()) / total
-
-
 def offset_payload_maps(model: nn.Module | Adapter) -> list[tuple[int, str, int, nn.Parameter]]:
     """(layer, branch, KV heads, map) of every per-offset payload map (W, hidden, KVH*D)."""
     return [(i, branch, attn.compressor.num_kv_heads, p) for i, attn in compressed_layers(model)
@@ -161,25 +157,17 @@ def averaged_payloads(model: nn.Module | Adapter, gates: list[dict[str, Any]]) -
         yield
 
 
-def _cycle_rows(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_records: list[dict],
-                context, inner: np.ndarray, run: dict[str, Any], desc: str) -> list[dict[str, Any]]:
-    """Evaluate under `context(delta)` for each delta and compare with the clean profile A_0."""
-    S, R = eval_set.stride, eval_set.residue_modulus
-    a0 = np.array(accuracies(clean_records, S, R)["per_phase"], dtype=float)
+def _cycle_rows(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_records: list[dict], context, *,
+                inner: np.ndarray, run: dict[str, Any], desc: str) -> list[dict[str, Any]]:
+    """Evaluate under `context(delta)` for each delta and compare with the clean profile A_0: the outcome of each
+    delta with its statistics (`phasekv.probes.cycle_outcome.outcome`)."""
     rows = []
     for delta in tqdm(deltas, desc=desc, unit="delta", disable=not run["progress"]):
         with context(delta):
             records = predict(adapter, eval_set, run["batch_size"], run["multi_query"], run["progress"],
                               desc=f"delta {delta:+d}")
-        observed = np.array(accuracies(records, S, R)["per_phase"], dtype=float)
-        predicted = a0[(np.arange(S) - delta) % S]
-        reps = phase_bootstrap([clean_records, records], S, run["n_boot"])  # (b, 2, S)
-        r2_reps = [r_squared(o[inner], c[(np.arange(S) - delta) % S][inner]) for c, o in reps]
-        row = {"delta": delta, "observed": observed.tolist(), "predicted": predicted.tolist(),
-               "r2_excl_boundary": r_squared(observed[inner], predicted[inner]),
-               "r2_excl_boundary_ci": nan_interval([np.nan if r is None else r for r in r2_reps]),
-               "r2_all": r_squared(observed, predicted),
-               "mae": float(np.abs(observed - predicted).mean())}
+        row = outcome(clean_records, records, delta, stride=eval_set.stride, inner=inner,
+                      in_context_chance=eval_set.in_context_chance, n_boot=run["n_boot"])
         if delta == 0:
             row["matches_clean"] = [r["prediction"] for r in records] == [r["prediction"] for r in clean_records]
         rows.append(row)
@@ -187,14 +175,16 @@ def _cycle_rows(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_re
 
 
 def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = range(-3, 4),
-                out_dir: str | Path | None = None, batch_size: int = 32, progress: bool = True,
+                out_dir: str | Path | None = None, batch_size: int = 32, progress: bool = True, *,
                 multi_query: bool = True, controls: bool = True, n_boot: int = 1000, figures: bool = True
                 ) -> dict[str, Any]:
     """Evaluate the model with its gates cycled by each delta and compare to A_0((r - delta) mod S).
 
-    Per delta: observed and predicted per-phase accuracy (fractions), r2_excl_boundary (phases other
-    than the layers' boundary phases) with a 95% cluster-bootstrap interval, r2_all and mae (mean
-    absolute error over all phases, as a fraction).  With `controls` and per-offset payload maps,
+    Per delta: observed and predicted per-phase accuracy (fractions), the outcome ("moved", "did not move",
+    "destroyed", "inconclusive") with its statistics (shift and its 95% set, correlations, mean before and after:
+    `phasekv.probes.cycle_outcome`), r2_excl_boundary (phases other than the layers' boundary phases) with a 95%
+    cluster-bootstrap interval and r2_all, each only where the cycled curve varies and never below -1, and mae
+    (mean absolute error over all phases, as a fraction).  With `controls` and per-offset payload maps,
     `controls` holds the same rows for `rolled_payloads` (maps rolled with the gates) and for
     `averaged_payloads` (maps replaced by their gate-weighted average first; its own clean profile).
     With `out_dir`, writes cycling.json and (with `figures`) cycling.png.
@@ -208,8 +198,8 @@ def run_cycling(adapter: Adapter, eval_set: EvalSet, deltas: Iterable[int] = ran
     clean_records = predict(adapter, eval_set, batch_size, multi_query, progress, desc="clean")
     boundary = boundary_phases(adapter)
     inner = np.array([r for r in range(S) if r not in boundary], dtype=int)
-    rows = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: cycled_gates(adapter, d), inner, run,
-                       "cycling")
+    rows = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: cycled_gates(adapter, d), inner=inner,
+                       run=run, desc="cycling")
     result = {"model": adapter.info.name, "protocol": eval_set.protocol, "stride": S, "boundary_phases": boundary,
               "n_prompts": len(clean_records), "clean": accuracies(clean_records, S, eval_set.residue_modulus),
               "deltas": rows, "figure": None, "n_boot": n_boot}
@@ -228,16 +218,16 @@ def _controls(adapter: Adapter, eval_set: EvalSet, deltas: list[int], clean_reco
     """The two zero-cost controls that say why per-offset payload maps break gate-only cycling (on the
     non-zero deltas with |delta| <= 2: delta 0 is the clean model, and two shifts each way suffice)."""
     deltas = [d for d in deltas if d != 0 and abs(d) <= CONTROL_MAX_SHIFT] or deltas
-    rolled = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: rolled_payloads(adapter, d), inner,
-                         run, "cycling, payloads rolled too")
+    rolled = _cycle_rows(adapter, eval_set, deltas, clean_records, lambda d: rolled_payloads(adapter, d),
+                         inner=inner, run=run, desc="cycling, payloads rolled too")
     prompts = [torch.tensor(p.ids) for p in eval_set.prompts()]
     gates = gate_statistics(adapter, prompts[:: max(1, len(prompts) // 64)], progress=False)
     S, R = eval_set.stride, eval_set.residue_modulus
     with averaged_payloads(adapter, gates):
         avg_clean = predict(adapter, eval_set, run["batch_size"], run["multi_query"], run["progress"],
                             desc="averaged payloads")
-        averaged = _cycle_rows(adapter, eval_set, deltas, avg_clean, lambda d: cycled_gates(adapter, d), inner,
-                               run, "cycling, averaged payloads")
+        averaged = _cycle_rows(adapter, eval_set, deltas, avg_clean, lambda d: cycled_gates(adapter, d),
+                               inner=inner, run=run, desc="cycling, averaged payloads")
     return {"rolled_payloads": {"deltas": rolled},
             "averaged_payloads": {"clean": accuracies(avg_clean, S, R), "deltas": averaged}}
 
@@ -246,4 +236,5 @@ def cycling_on(source: Source, cfg: EvalConfig, out_dir: str | Path, deltas: Ite
                progress: bool = True) -> dict[str, Any]:
     """`phasekv cycle`: gate cycling of a checkpoint on the prompt set `cfg` describes."""
     adapter, eval_set = open_source(source, cfg)
-    return run_cycling(adapter, eval_set, deltas, out_dir, batch_size(source, cfg), progress, not cfg.one_by_one)
+    return run_cycling(adapter, eval_set, deltas, out_dir, batch_size(source, cfg), progress,
+                       multi_query=not cfg.one_by_one)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phasekv.evaluate.verdict import CHANCE_FACTOR, FLATNESS_ALPHA, MATERIAL_GAP_PP, material_gap_bound, verdict_period
+from phasekv.probes.cycle_outcome import OUTCOMES
 
 FULL_FLAT_PP = 6.1  # the paper's largest full-attention phase gap
 W8S8_WORST_PCT = 20.0  # the paper's W8/S8 worst phases: 5.7% (1 KV), 9.9% (8 KV)
@@ -83,7 +84,7 @@ def count_line(found: list[dict[str, Any]]) -> str:
     return line + (f" ({c['not measured']} not measured: models missing)" if c["not measured"] else "")
 
 
-def _finding(claim: str, paper: str, rule: str, measured: str, status: str, value: float | None = None,
+def _finding(claim: str, paper: str, rule: str, measured: str, status: str, value: float | None = None, *,
              interval: list[float] | None = None, threshold: float | None = None, why: str | None = None,
              **extra: Any) -> dict[str, Any]:
     assert status in STATUSES, status
@@ -156,7 +157,8 @@ def learns(name: str, p: dict[str, Any], paper: str) -> dict[str, Any]:
     gate = _gate(p)
     return _finding(f"{name}: learns the task (mean above 2 x in-context chance)", paper,
                     f"mean's 95% interval above {gate:.1f}% (2 x in-context chance)",
-                    f"mean {value:.1f}% {_ci(ci)}", judge(ci, gate), value, ci, gate)
+                    f"mean {value:.1f}% {_ci(ci)}", judge(ci, gate), value, interval=ci, threshold=gate,
+                    kind="learns", model=name)
 
 
 def flat(name: str, p: dict[str, Any], what: str = "full attention") -> dict[str, Any]:
@@ -165,7 +167,8 @@ def flat(name: str, p: dict[str, Any], what: str = "full attention") -> dict[str
     return _finding(f"{name}: {what} is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
                     "4.3 at 8 KV)", f"selection-free gap's 95% interval below {FULL_FLAT_PP} pp, for a model that "
                     "can do the task", f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
-                    "inconclusive" if why else judge(ci, FULL_FLAT_PP, above=False), value, ci, FULL_FLAT_PP, why)
+                    "inconclusive" if why else judge(ci, FULL_FLAT_PP, above=False), value, interval=ci,
+                    threshold=FULL_FLAT_PP, why=why, kind="flat", model=name)
 
 
 def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
@@ -203,7 +206,8 @@ def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None,
                     f"period = {stride}",
                     f"mean {100 * p['mean_accuracy']:.1f}%, gap {p['max_gap_pp']:.1f} pp (null 95th percentile "
                     f"{p['null_gap_p95_pp']:.1f}), {_dip_text(p)}, period {verdict_period(p)}, flatness p = "
-                    f"{p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value, bounds, MATERIAL_GAP_PP, why)
+                    f"{p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value, interval=bounds,
+                    threshold=MATERIAL_GAP_PP, why=why, kind="periodic", model=name)
 
 
 def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +216,8 @@ def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
     return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
                     f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a "
                     "model that can do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
-                    "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, bounds, MATERIAL_GAP_PP, why)
+                    "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, interval=bounds,
+                    threshold=MATERIAL_GAP_PP, why=why, kind="uniform", model=name)
 
 
 def _phase_ci(row: dict[str, Any]) -> list[float]:
@@ -237,20 +242,21 @@ def w8s8_shape(name: str, p: dict[str, Any]) -> list[dict[str, Any]]:
         _finding(f"{name}: W8/S8 worst phase below {W8S8_WORST_PCT:.0f}%", "worst phase 5.7% (1 KV), 9.9% (8 KV); "
                  "mean 50.6% / 59.4%", f"worst phase's Wilson 95% interval below {W8S8_WORST_PCT:.0f}%", shape,
                  "inconclusive" if why else judge(_phase_ci(worst), W8S8_WORST_PCT, above=False),
-                 100 * worst["accuracy"], _phase_ci(worst), W8S8_WORST_PCT, why),
+                 100 * worst["accuracy"], interval=_phase_ci(worst), threshold=W8S8_WORST_PCT, why=why,
+                 kind="worst phase", model=name),
         _finding(f"{name}: W8/S8 at least {W8S8_COVERED} phases above {COVERED_PCT:.0f}%", "mean 50.6% with no phase "
                  "above 81% (worst 5.7 + gap 75.3): at least 3 of 8 phases above 40%",
                  f">= {W8S8_COVERED} phases whose Wilson interval is above {COVERED_PCT:.0f}% holds; fewer than "
                  f"{W8S8_COVERED} reaching it fails",
                  f"{clearly} phases clearly, {possibly} possibly above {COVERED_PCT:.0f}%; {_curve(p)}", covered,
-                 clearly, [clearly, possibly], W8S8_COVERED, why),
+                 clearly, interval=[clearly, possibly], threshold=W8S8_COVERED, why=why, kind="covered", model=name),
         _finding(f"{name}: W8/S8 within-window spread (phases 0..6) above {WITHIN_WINDOW_PP:.0f} pp",
                  "phases 0..6 spread by more than 50 pp", f"best minus worst of phases 0..6, interval from their "
                  f"Wilson intervals, above {WITHIN_WINDOW_PP:.0f} pp",
                  f"phase {best['phase']} {100 * best['accuracy']:.1f}% - phase {low['phase']} "
                  f"{100 * low['accuracy']:.1f}% = {spread:.1f} pp {_ci(spread_ci)}",
-                 "inconclusive" if why else judge(spread_ci, WITHIN_WINDOW_PP), spread, spread_ci, WITHIN_WINDOW_PP,
-                 why)]
+                 "inconclusive" if why else judge(spread_ci, WITHIN_WINDOW_PP), spread, interval=spread_ci,
+                 threshold=WITHIN_WINDOW_PP, why=why, kind="spread", model=name)]
 
 
 # a layer takes part in the lookup when knocking out one of its heads (or the whole layer) costs at least this
@@ -320,8 +326,9 @@ def _compare(models, claim: str, paper: str, metric: str, a: str, b: str) -> dic
     why = next(filter(None, (_unable(models[n]["prefix"]) for n in (a, b))), None)
     return _finding(claim, paper, f"interval of {metric}({b}) - {metric}({a}) above 0",
                     f"{metric} {a} {va:.1f} {unit} {_ci(ca)}, {b} {vb:.1f} {unit} {_ci(cb)}; difference "
-                    f"{vb - va:.1f} {_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va, diff, 0.0, why,
-                    ordering=True, models=[a, b], values=[va, vb], intervals=[ca, cb])
+                    f"{vb - va:.1f} {_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va,
+                    interval=diff, threshold=0.0, why=why, kind="ordering", metric=metric, ordering=True, models=[a, b],
+                    values=[va, vb], intervals=[ca, cb])
 
 
 def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -373,13 +380,35 @@ def _coverage(models: dict[str, dict]) -> dict[str, Any]:
               "fails" if max(q for _, q, _ in sizes[big]) <= min(c for c, _, _ in sizes[small]) else "inconclusive")
              for small, big in zip(order, order[1:])]
     status = "fails" if "fails" in steps else "inconclusive" if "inconclusive" in steps else "holds"
-    return _finding(text, paper, rule, measured, status, covered=[[h, c, q, n] for h in order for c, q, n in sizes[h]])
+    return _finding(text, paper, rule, measured, status, kind="coverage",
+                    covered=[[h, c, q, n] for h in order for c, q, n in sizes[h]])
+
+
+def _outcome_text(row: dict[str, Any]) -> str:
+    """One delta's outcome with its statistics: 'moved (shift +1 {+1}, r 0.99, mean 86% -> 84%)'."""
+    status = row.get("status")
+    if status is None:
+        return "-"
+    shift = "-" if row.get("shift") is None else f"{row['shift']:+d}"
+    stats = [f"shift {shift} {{{', '.join(f'{s:+d}' for s in row.get('shift_set', []))}}}"]
+    if row.get("corr_shifted") is not None:
+        stats.append(f"r {row['corr_shifted']:.2f}")
+    stats.append(f"mean {100 * row['mean_before']:.0f}% -> {100 * row['mean_after']:.0f}%")
+    return f"{status} ({', '.join(stats)})"
+
+
+def _delta_text(row: dict[str, Any], ci: list[float] | None) -> str:
+    """'+1: R^2 0.99 [0.98, 1.00], moved (...)'; R^2 '-' where the cycled curve does not vary."""
+    r2 = "-" if row["r2_excl_boundary"] is None else f"{row['r2_excl_boundary']:.2f}"
+    return (f"{row['delta']:+d}: R^2 {r2}" + (f" {_ci(ci, 2)}" if ci else "")
+            + (f", {_outcome_text(row)}" if row.get("status") else ""))
 
 
 def _cycling(models: dict[str, dict]) -> list[dict[str, Any]]:
     """Gate cycling: R^2 >= 0.66 (boundary excluded) for >= 4 of 6 deltas, every cycled model (per-offset payload
     maps, the paper's kernel, and shared ones): holds when enough deltas are clearly above the bar, fails when too
-    few can be, inconclusive otherwise."""
+    few can be, inconclusive otherwise.  A delta whose cycled curve does not vary has no R^2 (it counts as below the
+    bar); each delta's outcome (moved, did not move, destroyed: `phasekv.probes.cycle_outcome`) is in the row."""
     rows = [(n, m) for n, m in models.items() if m.get("cycling")]
     paper = "R^2 0.66 to 1.00 excluding the boundary phase"
     if not rows:
@@ -398,14 +427,22 @@ def _cycling(models: dict[str, dict]) -> list[dict[str, Any]]:
         need = min(CYCLING_DELTAS_NEEDED, len(r2))
         status = "holds" if above >= need else "fails" if len(r2) - below < need else "inconclusive"
         payload = "shared payload maps" if m.get("shared_payload") else "per-offset payload maps"
-        measured = ", ".join(f"{d:+d}: {'-' if v is None else f'{v:.2f}'}" + (f" {_ci(ci[d], 2)}" if ci[d] else "")
-                             for d, v in sorted(r2.items()))
+        outcomes = {row["delta"]: row.get("status") for row in deltas}
+        measured = "; ".join(_delta_text(row, ci[row["delta"]]) for row in sorted(deltas, key=lambda r: r["delta"]))
         out.append(_finding(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {need} of "
                             f"{len(r2)} deltas ({payload})", paper, f"deltas whose R^2 interval is above {CYCLING_R2}: "
-                            f">= {need} holds; fewer than {need} that can be: fails", measured, status,
+                            f">= {need} holds; fewer than {need} that can be: fails (no R^2 where the cycled curve "
+                            "is flat)", measured, status,
                             why="inconclusive: intervals span the bar" if status == "inconclusive" else None,
-                            r2=r2, deltas_above=above, deltas_below=below))
+                            kind="cycling", model=n, r2=r2, deltas_above=above, deltas_below=below, outcomes=outcomes,
+                            outcome_counts=_outcome_counts(outcomes.values())))
     return out
+
+
+def _outcome_counts(statuses) -> dict[str, int]:
+    """Deltas per cycling outcome (every outcome present, zeros included)."""
+    statuses = list(statuses)
+    return {o: statuses.count(o) for o in OUTCOMES}
 
 
 # beyond the paper: phase-robust variants and the baseline each one fixes (same heads, layers, training budget)

@@ -19,6 +19,7 @@ from typing import Any
 from phasekv.figures.evaluation import plot_phase_heatmap, plot_residue_grid
 from phasekv.figures.probes import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
 from phasekv.report.findings import count_line
+from phasekv.report.reasons import reason_text
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;line-height:1.45}
@@ -140,7 +141,8 @@ def _findings(findings: list[dict[str, Any]]) -> list[str]:
         text = f.get("why", status) if status == "inconclusive" else status
         parts.append(f"<tr><td>{html.escape(f['claim'])}</td><td>{html.escape(f.get('paper', ''))}</td>"
                      f"<td>{html.escape(f['measured'])}</td><td>{html.escape(f.get('rule', ''))}</td>"
-                     f"<td><span class='{style[status]}'>{html.escape(text)}</span></td></tr>")
+                     f"<td><span class='{style[status]}'>{html.escape(text)}</span>"
+                     + (f"<br>why: {html.escape(reason_text(f))}" if f.get("reason") else "") + "</td></tr>")
     return [*parts, "</table>"]
 
 
@@ -223,11 +225,12 @@ def _cycling(models: dict[str, Any], drawn: dict[str, dict[str, str]]) -> list[s
     if not cycled:
         return []
     parts = [_h2("cycling", "Gate cycling (W = S)"), "<table><tr><th>model</th><th>delta</th>"
-             "<th>R&sup2; excl. boundary</th><th>R&sup2; all</th><th>MAE</th></tr>"]
+             "<th>outcome</th><th>R&sup2; excl. boundary</th><th>R&sup2; all</th><th>MAE</th></tr>"]
     for name, m in cycled.items():
         for row in m["cycling"]["deltas"]:
             r2b, r2 = row.get("r2_excl_boundary"), row.get("r2_all")
             parts.append(f"<tr><td>{html.escape(name)}</td><td>{row['delta']}</td>"
+                         f"<td>{html.escape(row.get('status') or '-')}</td>"
                          f"<td>{'n/a' if r2b is None else f'{r2b:.2f}'}</td>"
                          f"<td>{'n/a' if r2 is None else f'{r2:.2f}'}</td><td>{row['mae']:.3f}</td></tr>")
     parts.append("</table>")

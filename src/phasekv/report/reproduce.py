@@ -45,6 +45,7 @@ from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
 from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
+from phasekv.report.reasons import explained
 from phasekv.theory import run_theory
 from phasekv.train import read_metrics, train
 
@@ -242,13 +243,13 @@ def analyse_model(name: str, path: Path, out: Path, quick: bool, seed: int, bar)
             lap("gate_trajectory")
     if can_cycle(adapter.module):  # W = S compressors with offset-specific gates, of either family
         bar.set_description(f"{name}: cycling")
-        result["cycling"] = _cycling(adapter, probe_set, vocab, defaults, out, quick, seed, batch)
+        result["cycling"] = _cycling(adapter, probe_set, vocab, defaults, out, quick=quick, seed=seed, batch=batch)
         lap("cycling")
     bar.update()
     return result
 
 
-def _cycling(adapter, probe_set, vocab, defaults, out: Path, quick: bool, seed: int, batch: int) -> dict[str, Any]:
+def _cycling(adapter, probe_set, vocab, defaults, out: Path, *, quick: bool, seed: int, batch: int) -> dict[str, Any]:
     """Gate cycling on the probe set; a transformers architecture's compressors on a larger set with two shifts each
     way: their graded curve (phases at 17-30%, not 0 or 100) needs more prompts for a usable R^2 interval (measured on
     dsv4-hca: with the probe set's 2,304 prompts the intervals spanned [-0.3, 0.9])."""
@@ -344,7 +345,7 @@ def analyse_all(models_dirs: dict[str, Path], out: Path, quick: bool, seed: int,
 
 def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: list[str] | None = None,
               retrain_models: bool = False, configs: str | Path = "configs/cpu", bundle_to: str | Path | None = None,
-              quick: bool = False, seed: int = 0, progress: bool = True, jobs: int = 2, force: bool = False
+              *, quick: bool = False, seed: int = 0, progress: bool = True, jobs: int = 2, force: bool = False
               ) -> dict[str, Any]:
     """Analyse the bundled (or retrained) models and the theory model; publish OUT (summary.json,
     report.html, every analysis's files) atomically when everything is done."""
@@ -361,7 +362,7 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         summary = {
             "models": models,
             "theory": theory,
-            "findings": findings(models),
+            "findings": explained(findings(models), models),
             "fixes": fixes(models),
             "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain_models,
                          "train_seconds": train_times},

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.outputs import write_atomic
+from phasekv.probes.cycle_outcome import R2_FLOOR
 from phasekv.report.findings import count_line
+from phasekv.report.reasons import reason_text
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +83,14 @@ def shape(m: dict[str, Any]) -> str:
 def findings_section(found: list[dict[str, Any]]) -> list[str]:
     """Every claim `reproduce` tests: the paper's number, the measured one and its status."""
     rows = [[f["claim"], f.get("paper", ""), f["measured"],
-             f.get("why", f["status"]) if f["status"] == "inconclusive" else f["status"]]  # the why names it
-            for f in found]
+             f.get("why", f["status"]) if f["status"] == "inconclusive" else f["status"],  # the why names it
+             reason_text(f) or "-"] for f in found]
     return ["### Findings", "", f"{count_line(found)}. A finding holds when the 95% interval of its measured "
             "quantity lies on the claimed side of the threshold, fails when it lies on the other side, and is "
-            "inconclusive when it spans it (docs/science.md section 6).", "",
-            *table(["claim", "paper", "measured", "status"], rows), ""]
+            "inconclusive when it spans it (docs/science.md section 6). A finding that fails or is inconclusive "
+            "names its measured reason (scale, recipe, protocol, claim not testable here) and where the evidence is "
+            "(`phasekv/report/reasons.py`); '-' in a run made before reasons were recorded.", "",
+            *table(["claim", "paper", "measured", "status", "reason"], rows), ""]
 
 
 def models_section(models: dict[str, dict[str, Any]], protocol: str) -> list[str]:
@@ -148,20 +152,29 @@ def knockout_section(models: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def cycling_section(models: dict[str, dict[str, Any]]) -> list[str]:
-    """Gate cycling: R^2 of the cycled curve against the clean curve shifted by delta, boundary phase left out."""
+    """Gate cycling: per delta the outcome (moved, did not move, destroyed) and R^2 of the cycled curve against the
+    clean curve shifted by delta, boundary phase left out."""
     rows = []
     for name, m in models.items():
         deltas = (m.get("cycling") or {}).get("deltas") or []
         if deltas:
-            rows.append([name, "; ".join(f"{d['delta']:+d}: " + ("-" if d.get("r2_excl_boundary") is None
-                                                                   else f"{d['r2_excl_boundary']:.2f}")
+            rows.append([name, "; ".join(f"{d['delta']:+d}: {_r2(d.get('r2_excl_boundary'))}"
+                                         + (f" {d['status']}" if d.get("status") else "")
                                          for d in deltas if d["delta"] != 0)])
     if not rows:
         return []
     return ["### Gate cycling (W = S models)", "",
             "R^2 of the per-phase accuracy after rolling the offset-indexed gates by delta against the clean "
-            "curve shifted by delta, the boundary phase left out (1 = the curve moves with the gates).", "",
-            *table(["model", "R^2 by delta"], rows), ""]
+            "curve shifted by delta, the boundary phase left out (1 = the curve moves with the gates; '-' where the "
+            "cycled curve does not vary), and the outcome: moved, did not move, destroyed (down to the in-context "
+            "copier's level) or inconclusive (`phasekv/probes/cycle_outcome.py`; no outcome in a run made before "
+            "they were recorded).", "", *table(["model", "R^2 and outcome by delta"], rows), ""]
+
+
+def _r2(r2: float | None) -> str:
+    """R^2 as the document shows it: '-' without one, '<= -1' at or below the floor (`cycle_outcome.R2_FLOOR`: a
+    run made before the floor stored R^2 of -10^4 where cycling flattened the curve)."""
+    return "-" if r2 is None else f"<= {R2_FLOOR:.0f}" if r2 <= R2_FLOOR else f"{r2:.2f}"
 
 
 def theory_section(theory: dict[str, Any]) -> list[str]:
@@ -247,13 +260,13 @@ def trim(summary: dict[str, Any]) -> dict[str, Any]:
             kept["knockout"] = {"rows": [{k: r[k] for k in ("layer", "kv_head", "mean_rel_change_pct")}
                                          for r in m["knockout"]["rows"]]}
         if (m.get("cycling") or {}).get("deltas"):
-            kept["cycling"] = {"deltas": [{k: d.get(k) for k in ("delta", "r2_excl_boundary")}
+            kept["cycling"] = {"deltas": [{k: d.get(k) for k in ("delta", "r2_excl_boundary", "status")}
                                           for d in m["cycling"]["deltas"]]}
         models[name] = kept
     theory = summary.get("theory") or {}
     kept_theory = {part: {k: theory[part][k] for k in fields if k in theory[part]}
                    for part, fields in THEORY_FIELDS.items() if theory.get(part)}
-    return {"models": models, "findings": [{k: f[k] for k in ("claim", "paper", "measured", "status", "why")
+    return {"models": models, "findings": [{k: f[k] for k in ("claim", "paper", "measured", "status", "why", "reason")
                                             if k in f} for f in summary["findings"]],
             "fixes": summary.get("fixes") or [], "settings": summary.get("settings") or {},
             "theory": kept_theory}
