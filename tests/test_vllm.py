@@ -78,6 +78,7 @@ def test_the_openai_adapter_gives_vllms_greedy_token_and_the_top_k_of_transforme
     adapter = EndpointAdapter(server, "openai", len(tokenizer), top_k=5)
     assert adapter.model == str(VLLM_MODEL)
     assert adapter.info.max_length == 4095  # --max-model-len 4096, less the one token answered
+    assert adapter.cache_config["enable_prefix_caching"] == "False"  # its /metrics read
     reference, _ = load_hf(str(VLLM_MODEL))
     for ids in prompts(tokenizer):
         row = torch.tensor([ids])
@@ -147,3 +148,49 @@ def test_a_run_whose_server_does_not_report_cached_tokens_says_the_cache_was_not
     record = json.loads((tmp_path / "endpoint.json").read_text())
     assert record["prompt_cache"] == "off" and record["cached_prompt_tokens"] is None and record["cache_reported"] == 0
     assert "not checked" in caplog.text
+
+
+# the cache line of /metrics, recorded from vLLM 0.32.0 started by `launch.vllm_server` (--no-enable-prefix-caching)
+METRICS = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+    'cache_hit_alignment_tokens="None",effective_attention_block_size="128",'
+    'enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="False",engine="0",'
+    'gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",'
+    'kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="5.6875",'
+    'kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="23296",kv_offloading_backend="native",'
+    'kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",'
+    'mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",'
+    'mamba_ssm_cache_dtype="float32",num_cpu_blocks="None",num_gpu_blocks="182",'
+    'num_gpu_blocks_override="None",prefix_cache_retention_interval="0",'
+    'prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",'
+    'skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",'
+    'use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="False"} 1.0'
+)
+
+
+def metrics_engine(cache_line: str):
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                                            f"# TYPE vllm:cache_config_info gauge\n{cache_line}\n")
+        if request.method == "GET":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        return httpx.Response(200, json=RECORDED)
+    return httpx.MockTransport(engine)
+
+
+def test_a_vllm_server_with_its_prefix_cache_on_is_refused_before_any_request_of_a_run_without_cache(tmp_path):
+    from phasekv.adapters.journal import keep_journal
+
+    off = EndpointAdapter("http://engine.test", "openai", 49152, transport=metrics_engine(METRICS))
+    assert off.cache_config["enable_prefix_caching"] == "False" and off.cache_config["block_size"] == "128"
+    caching = METRICS.replace('enable_prefix_caching="False"', 'enable_prefix_caching="True"')
+    with pytest.raises(EndpointError, match="prefix cache on.*--no-enable-prefix-caching") as err:
+        EndpointAdapter("http://engine.test", "openai", 49152, transport=metrics_engine(caching))
+    assert "\n" not in str(err.value)
+    reuse = EndpointAdapter("http://engine.test", "openai", 49152, transport=metrics_engine(caching), top_k=3,
+                            reuse_prefix=True)
+    reuse.logits(torch.tensor([[504, 3458, 314, 3365]]))
+    keep_journal(reuse, tmp_path)
+    assert json.loads((tmp_path / "endpoint.json").read_text())["server_cache"] == {
+        "block_size": "128", "cache_dtype": "auto", "enable_prefix_caching": "True"}

@@ -21,8 +21,9 @@ adapter's name says so.  Requests run `concurrency` at a time; connection errors
 body cut short) and 5xx answers are retried with exponential backoff; anything else is a one-line `EndpointError`,
 as is an answer that names another model than the run's first answer did (a server restarted mid-run).
 
-With prompt caching off, an answer that says it reused cached prompt tokens is refused: vLLM ignores the request's
-`cache_prompt` and caches prefixes unless started with --no-enable-prefix-caching.  Where the server does not say
+With prompt caching off, a vLLM server whose /metrics says its prefix cache is on is refused before any request, and
+so is an answer that says it reused cached prompt tokens: vLLM ignores the request's `cache_prompt` and caches
+prefixes unless started with --no-enable-prefix-caching.  Where the server does not say
 (vLLM without --enable-prompt-tokens-details), the run's endpoint.json records that the cache was not checked.
 
 Each answer is appended to a `Journal` (`phasekv.adapters.journal`: one fsync'd JSON line per prompt) as it
@@ -42,7 +43,7 @@ import httpx
 import torch
 
 from phasekv.adapters.base import Adapter, ModelInfo
-from phasekv.adapters.engines import APIS, Answer, Connection, EndpointError
+from phasekv.adapters.engines import APIS, Answer, Connection, EndpointError, vllm_cache_config
 from phasekv.adapters.journal import Journal, journal_path, prompt_key
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,11 @@ class EndpointAdapter(Adapter):
             raise EndpointError(f"{url} serves {server.model} with a vocabulary of {server.vocab_size} tokens, the "
                                 f"tokenizer has {vocab_size}: wrong --tokenizer or wrong model")
         self.model = server.model
+        # vLLM says whether its prefix cache is on (it ignores the request's cache_prompt): refused before any request
+        self.cache_config = vllm_cache_config(self.conn) if api == "openai" else None
+        if not reuse_prefix and (self.cache_config or {}).get("enable_prefix_caching") == "True":
+            raise EndpointError(f"{url} runs vLLM with its prefix cache on (/metrics: enable_prefix_caching): a run "
+                                "without prompt cache needs --no-enable-prefix-caching, or audit with --reuse-prefix")
         mode = "reuse-prefix" if reuse_prefix else "no prompt cache"
         # the answer is one generated token, which needs a place in the context too (vLLM refuses a prompt of
         # max_model_len tokens as "max_tokens must be at least 1, got 0")

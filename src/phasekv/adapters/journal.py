@@ -102,7 +102,9 @@ def keep_journal(adapter, out: str | Path) -> None:
               "cached_prompt_tokens": sum(cached) if cached else None,
               # how many answers said how many prompt tokens came from the engine's cache (vLLM does only with
               # --enable-prompt-tokens-details): below `answers`, "off" is what was asked, not what was checked
-              "cache_reported": len(cached)}
+              "cache_reported": len(cached),
+              "server_cache": {k: v for k, v in (adapter.cache_config or {}).items()  # vLLM's own account
+                               if k in ("enable_prefix_caching", "cache_dtype", "block_size")} or None}
     if not adapter.reuse_prefix and len(cached) < len(adapter.answers):
         log.warning("%d of %d answers did not say how many prompt tokens the server took from its cache: that no "
                     "prompt cache served them is not checked (vLLM reports it with --enable-prompt-tokens-details)",
