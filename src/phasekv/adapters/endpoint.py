@@ -21,6 +21,11 @@ adapter's name says so.  Requests run `concurrency` at a time; connection errors
 body cut short) and 5xx answers are retried with exponential backoff; anything else is a one-line `EndpointError`,
 as is an answer that names another model than the run's first answer did (a server restarted mid-run).
 
+With prompt caching off, a vLLM server whose /metrics says its prefix cache is on is refused before any request, and
+so is an answer that says it reused cached prompt tokens: vLLM ignores the request's `cache_prompt` and caches
+prefixes unless started with --no-enable-prefix-caching.  Where the server does not say
+(vLLM without --enable-prompt-tokens-details), the run's endpoint.json records that the cache was not checked.
+
 Each answer is appended to a `Journal` (`phasekv.adapters.journal`: one fsync'd JSON line per prompt) as it
 arrives, so a killed audit resumed with the same journal sends only the prompts that were never answered.
 """
@@ -38,7 +43,7 @@ import httpx
 import torch
 
 from phasekv.adapters.base import Adapter, ModelInfo
-from phasekv.adapters.engines import APIS, Answer, Connection, EndpointError
+from phasekv.adapters.engines import APIS, Answer, Connection, EndpointError, vllm_cache_config
 from phasekv.adapters.journal import Journal, journal_path, prompt_key
 
 log = logging.getLogger(__name__)
@@ -88,9 +93,16 @@ class EndpointAdapter(Adapter):
             raise EndpointError(f"{url} serves {server.model} with a vocabulary of {server.vocab_size} tokens, the "
                                 f"tokenizer has {vocab_size}: wrong --tokenizer or wrong model")
         self.model = server.model
+        # vLLM says whether its prefix cache is on (it ignores the request's cache_prompt): refused before any request
+        self.cache_config = vllm_cache_config(self.conn) if api == "openai" else None
+        if not reuse_prefix and (self.cache_config or {}).get("enable_prefix_caching") == "True":
+            raise EndpointError(f"{url} runs vLLM with its prefix cache on (/metrics: enable_prefix_caching): a run "
+                                "without prompt cache needs --no-enable-prefix-caching, or audit with --reuse-prefix")
         mode = "reuse-prefix" if reuse_prefix else "no prompt cache"
+        # the answer is one generated token, which needs a place in the context too (vLLM refuses a prompt of
+        # max_model_len tokens as "max_tokens must be at least 1, got 0")
         self.info = ModelInfo(f"{server.model} via {api} ({mode})", vocab_size, 0, 0, 0, 0,
-                              server.context or 1 << 30, None, None)
+                              server.context - 1 if server.context else 1 << 30, None, None)
         self.module, self.device = None, torch.device("cpu")
         self.journal: Journal | None = None
         self.answers: dict[str, Answer] = {}
@@ -180,6 +192,10 @@ class EndpointAdapter(Adapter):
             if read is not None and read != len(ids):
                 raise EndpointError(f"the server read {read} prompt tokens where {len(ids)} ids were sent (did it "
                                     "add a BOS or tokenize the prompt as text?)")
+            if answer.cached and not self.reuse_prefix:  # vLLM caches prefixes unless told not to, whatever we ask
+                raise EndpointError(f"the server reused {answer.cached} cached prompt tokens in a run without prompt "
+                                    "cache: its prefix cache is on (vLLM: start it with --no-enable-prefix-caching; "
+                                    "or audit the cached path with --reuse-prefix)")
             served = payload.get("model") if isinstance(payload, dict) else None
             with self._lock:  # the request threads count and store answers one at a time
                 if isinstance(served, str):  # every answer must come from the model the first one came from

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,21 @@ class OpenAIApi(Api):
         entry = _pick_model(served, model, conn.url)
         meta = entry.get("meta") or {}  # llama.cpp
         return ServerInfo(entry["id"], meta.get("n_vocab"), entry.get("max_model_len") or meta.get("n_ctx_train"))
+
+
+def vllm_cache_config(conn: Connection) -> dict[str, str] | None:
+    """vLLM's own account of its KV cache: the labels of the `vllm:cache_config_info` gauge in its Prometheus
+    /metrics (enable_prefix_caching, cache_dtype, block_size, ...); None for a server without it (llama.cpp)."""
+    try:
+        response = conn.client.get("/metrics")
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200:
+        return None
+    for line in response.text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line[:line.rindex("}")]))
+    return None
 
 
 def _token_id(token: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from dataclasses import asdict
@@ -18,6 +19,8 @@ from typing import Any
 
 from phasekv.adapters.engines import Answer, EndpointError
 from phasekv.outputs import fsync_dir, write_json
+
+log = logging.getLogger(__name__)
 
 JOURNAL_VERSION = 1
 
@@ -96,7 +99,16 @@ def keep_journal(adapter, out: str | Path) -> None:
               "prompt_cache": "reuse-prefix" if adapter.reuse_prefix else "off", "answers": len(adapter.answers),
               "requests_this_run": adapter.sent,
               "answers_from_journal": adapter.journal.resumed if adapter.journal else 0,
-              "cached_prompt_tokens": sum(cached) if cached else None}
+              "cached_prompt_tokens": sum(cached) if cached else None,
+              # how many answers said how many prompt tokens came from the engine's cache (vLLM does only with
+              # --enable-prompt-tokens-details): below `answers`, "off" is what was asked, not what was checked
+              "cache_reported": len(cached),
+              "server_cache": {k: v for k, v in (adapter.cache_config or {}).items()  # vLLM's own account
+                               if k in ("enable_prefix_caching", "cache_dtype", "block_size")} or None}
+    if not adapter.reuse_prefix and len(cached) < len(adapter.answers):
+        log.warning("%d of %d answers did not say how many prompt tokens the server took from its cache: that no "
+                    "prompt cache served them is not checked (vLLM reports it with --enable-prompt-tokens-details)",
+                    len(adapter.answers) - len(cached), len(adapter.answers))
     write_json(out / "endpoint.json", record, atomic=True)
     if adapter.journal is not None and adapter.journal.path.exists():
         os.replace(adapter.journal.path, out / "endpoint_journal.jsonl")

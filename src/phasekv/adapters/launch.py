@@ -6,6 +6,7 @@ phasekv dies (a killed audit leaves no server behind, which `finally` alone cann
 not come up raises `EngineDied` with one line: how it ended (the signal by name: SIGILL is an instruction the
 machine cannot run) and the last lines of its log.  `llama_server` builds llama.cpp's command line; `smoke`
 loads a model and asks for one token, which `make engine` requires of a binary before installing it.
+`vllm_server` and `smoke_vllm` do the same for vLLM's OpenAI server (`make vllm`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,53 @@ def smoke(binary: Path, model: Path, startup_s: float = 120.0) -> int:
         if len(tokens) != 1 or not isinstance(tokens[0], int):
             raise EngineDied(f"{Path(binary).name} answered {tokens!r} to a one-token request")
         return tokens[0]
+
+
+def vllm_server_command(python: Path, model: Path, port: int, *, context: int = 4096, dtype: str = "float32",
+                        cache_root: Path | None = None, kv_cache_gib: int = 1, threads: int = 1,
+                        extra: Sequence[str] = ()) -> list[str]:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; `vllm serve` crashes on the CPU build),
+    eager (its compiled graphs take 300-400 s and are never reused), on 127.0.0.1:`port`, without a prefix cache and
+    reporting cached prompt tokens, so that an audit that asks for no prompt cache gets none and can check it.
+    Run through `env`: VLLM_HOST_IP keeps its internal sockets on loopback, VLLM_CACHE_ROOT its caches in
+    `cache_root`, VLLM_CPU_KVCACHE_SPACE (GiB) and OMP_NUM_THREADS its memory and cores modest."""
+    env = ["VLLM_HOST_IP=127.0.0.1", f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}", f"OMP_NUM_THREADS={threads}",
+           "VLLM_CPU_OMP_THREADS_BIND=nobind",  # the kernel places the threads: the cores are shared
+           *([f"VLLM_CACHE_ROOT={cache_root}"] if cache_root is not None else [])]
+    return ["env", *env, str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(context), "--dtype", dtype,
+            "--enforce-eager", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", *extra]
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, model: Path, *, context: int = 4096, dtype: str = "float32",
+                cache_root: Path | None = None, startup_s: float = 600.0, extra: Sequence[str] = ()) -> Iterator[str]:
+    """The URL of a vLLM server (run by `python`, the Python of vLLM's own environment) serving the safetensors
+    folder `model` on a free loopback port while the block runs (`extra`: more flags, e.g.
+    --enable-prefix-caching, which the later flag wins)."""
+    port = free_port()
+    command = vllm_server_command(python, model, port, context=context, dtype=dtype, cache_root=cache_root,
+                                  extra=extra)
+    with launched(command, f"http://127.0.0.1:{port}", name="vllm", startup_s=startup_s) as url:
+        yield url
+
+
+def smoke_vllm(python: Path, model: Path, cache_root: Path | None = None, startup_s: float = 900.0) -> int:
+    """Start vLLM on `model` and ask /v1/completions for one token of a token-id prompt; the token id it answered.
+    Raises `EngineDied` when the server does not come up or does not answer with a token id."""
+    with vllm_server(python, model, context=256, cache_root=cache_root, startup_s=startup_s) as url:
+        try:
+            served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            answer = httpx.post(f"{url}/v1/completions", json={
+                "model": served, "prompt": [504, 3458, 314], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                "return_tokens_as_token_ids": True}, timeout=startup_s)
+            answer.raise_for_status()
+            token = answer.json()["choices"][0]["logprobs"]["tokens"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise EngineDied(f"vllm did not answer a one-token request: {e}") from None
+        if not (isinstance(token, str) and token.startswith("token_id:")):
+            raise EngineDied(f"vllm answered {token!r} to a one-token request, not a token id")
+        return int(token[len("token_id:"):])
 
 
 def _die_with_parent() -> None:
