@@ -340,14 +340,15 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
     config = model.config
+    arch = layout(config)
     out = Path(out)
     keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), ARCH)
+    writer = gguf.GGUFWriter(str(tmp), arch.ARCH)
     try:
         writer.add_name(name)
         writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32))
-        for key, value in gguf_metadata(config).items():
+        for key, value in arch.gguf_metadata(config).items():
             _add_value(writer, gguf, key, value)
         tokens = word_tokens(vocab, config.vocab_size)
         writer.add_tokenizer_model("whitespace")
@@ -362,7 +363,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.add_pad_token_id(tokens.index("<pad>"))
         writer.add_add_bos_token(False)  # phasekv prompts start with <bos> themselves
         writer.add_add_eos_token(False)
-        tensors = gguf_tensors(model)
+        tensors = arch.gguf_tensors(model)
         for gguf_name, t, source in tensors:
             array = t.detach().cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy()
             if dtype == "f16" and array.ndim >= 2 and not any(k in source for k in keep_f32):
@@ -380,6 +381,19 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.close()
         tmp.unlink(missing_ok=True)
     return {"file": str(out), "tensors": len(tensors), "dtype": dtype, "bytes": out.stat().st_size}
+
+
+LAYOUTS = {"deepseek_v4": __name__, "deepseek_v32": "phasekv.export.gguf_deepseek32"}
+
+
+def layout(config: Any):
+    """The module that holds llama.cpp's layout for `config.model_type` (ARCH, check_exportable, widen,
+    gguf_tensors, gguf_metadata): this one for DeepSeek-V4, one module per other architecture."""
+    import importlib
+
+    if config.model_type not in LAYOUTS:
+        raise ValueError(f"model.model_type: GGUF export covers {' and '.join(LAYOUTS)}, got {config.model_type!r}")
+    return importlib.import_module(LAYOUTS[config.model_type])
 
 
 def _add_value(writer, gguf, key: str, value: Any) -> None:
@@ -417,21 +431,22 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
         raise ValueError(f"--out {out}: its directory {out.parent} does not exist")
     experiment = read_experiment(checkpoint)
     config = model_config_from_dict(experiment["model"])
-    if not isinstance(config, TransformersModelConfig) or config.model_type != "deepseek_v4":
-        raise ValueError(f"checkpoint {checkpoint}: model.model_type: GGUF export covers transformers' deepseek_v4, "
-                         f"got {experiment['model'].get('model_type', 'phasekv')!r}")
-    check_exportable(config.to_hf())  # before the weights are read
+    if not isinstance(config, TransformersModelConfig) or config.model_type not in LAYOUTS:
+        raise ValueError(f"checkpoint {checkpoint}: model.model_type: GGUF export covers transformers' "
+                         f"{' and '.join(LAYOUTS)}, got {experiment['model'].get('model_type', 'phasekv')!r}")
+    arch = layout(config)
+    arch.check_exportable(config.to_hf())  # before the weights are read
     if "vocab" not in experiment:
         raise ValueError(f"checkpoint {checkpoint}: config.json has no 'vocab' (not written by phasekv train)")
     vocab = Vocabulary.from_dict(experiment["vocab"])
     model, _ = load_checkpoint(checkpoint)
-    wide = widen(model)
+    wide = arch.widen(model)
     name = resolve(checkpoint).name
     if hf_out is not None:  # first: a refused --hf-out leaves no GGUF behind
         with output_dir(hf_out, force) as tmp:
             wide.save_pretrained(tmp)
             word_tokenizer(vocab, wide.config.vocab_size).save_pretrained(tmp)
     summary = write_gguf(wide, vocab, out, dtype, name)
-    return {**summary, "checkpoint": str(checkpoint), "hc_mult": [model.config.hc_mult, wide.config.hc_mult],
-            "index_head_dim": [model.config.index_head_dim, wide.config.index_head_dim],
-            "hf_out": None if hf_out is None else str(hf_out)}
+    widened = {field: [getattr(model.config, field), getattr(wide.config, field)]
+               for field in ("hc_mult", "index_head_dim") if hasattr(model.config, field)}
+    return {**summary, "checkpoint": str(checkpoint), "widened": widened, "hf_out": None if hf_out is None else str(hf_out)}
