@@ -123,8 +123,8 @@ def test_no_parameter_name_matching_outside_the_compressors():
         # dense warm-up) and phasekv/export/gguf*.py read it into llama.cpp's hyper-parameters: not a phasekv
         # compressor option; phasekv/adapters/indexers.py builds a Glm5NextTextIndexer's config, which names it
         name = _module_name(path)
-        topk = () if name in ("phasekv.indexer", "phasekv.adapters.indexers") or name.startswith("phasekv.export.gguf") \
-            else ("index_topk",)
+        exempt = name in ("phasekv.indexer", "phasekv.adapters.indexers") or name.startswith("phasekv.export.gguf")
+        topk = () if exempt else ("index_topk",)
         for pattern in ('".compressor."', "'_gate'", '"_gate"', '"_gate_bias"', 'getattr(self.compressor', *topk):
             assert pattern not in source, f"{path} contains {pattern}"
 

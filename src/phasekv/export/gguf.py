@@ -449,4 +449,5 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
     summary = write_gguf(wide, vocab, out, dtype, name)
     widened = {field: [getattr(model.config, field), getattr(wide.config, field)]
                for field in ("hc_mult", "index_head_dim") if hasattr(model.config, field)}
-    return {**summary, "checkpoint": str(checkpoint), "widened": widened, "hf_out": None if hf_out is None else str(hf_out)}
+    return {**summary, "checkpoint": str(checkpoint), "widened": widened,
+            "hf_out": None if hf_out is None else str(hf_out)}
