@@ -13,7 +13,17 @@ from phasekv.archs.deepseek_v32 import scores
 from phasekv.export import gguf as eg
 from phasekv.export import gguf_deepseek32 as e32
 from tests.engine import llama_server
-from tests.test_export_gguf import STRICT, logprobs, needs_gguf, needs_server, random_prompts, served_gap, tiny_vocab
+from tests.test_export_gguf import (
+    STRICT,
+    export_twin,
+    grown_prompts,
+    logprobs,
+    needs_gguf,
+    needs_server,
+    random_prompts,
+    served_gap,
+    tiny_vocab,
+)
 
 CHECKPOINT = "checkpoints/dsv32-dsa"
 
@@ -149,14 +159,7 @@ def test_export_refuses_a_v32_config_llama_cpp_would_run_differently(tmp_path, m
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """checkpoints/dsv32-dsa exported (f32, with its transformers twin) and that twin loaded."""
-    from transformers import AutoModelForCausalLM
-
-    from phasekv.cli import main
-
-    root = tmp_path_factory.mktemp("gguf32")
-    assert main(["export", "gguf", "--checkpoint", CHECKPOINT, "--out", str(root / "dsv32.gguf"), "--hf-out",
-                 str(root / "hf")]) == 0
-    return root, AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    return export_twin(tmp_path_factory.mktemp("gguf32"), CHECKPOINT)
 
 
 @needs_server
@@ -165,15 +168,13 @@ def test_llama_server_agrees_with_transformers_on_the_trained_checkpoint(exporte
     """Prompts of 20-200 tokens, past the indexer's top-32; ubatches of 30 tokens split the prompts."""
     root, reference = exported
     prompts = random_prompts(8, 210, 20, 200, seed=1)
-    with llama_server(root / "dsv32.gguf", slots=1, context=512, extra=(*STRICT, "-ub", "30", "-b", "30")) as url:
+    with llama_server(root / "dsv32-dsa.gguf", slots=1, context=512, extra=(*STRICT, "-ub", "30", "-b", "30")) as url:
         gap, differ, _ = served_gap(url, reference, prompts)
         assert gap < 1e-4 and differ == 0  # measured 3.9e-5
-        grown = [prompts[0][:30]]  # each prompt extends the last: the indexer scores cached keys
-        for step in (1, 5, 13, 40):
-            grown.append(grown[-1] + prompts[1][1:step + 1])
-        gap, differ, cached = served_gap(url, reference, grown[1:], cache=True)
-        assert gap < 1e-4 and differ == 0 and cached == sum(map(len, grown[1:-1]))
-    with llama_server(root / "dsv32.gguf", slots=1, context=512) as url:  # server defaults: f16 KV cache, fa auto
+        grown = grown_prompts(prompts[0][:30], prompts[1], (1, 5, 13, 40))  # the indexer scores cached keys
+        gap, differ, cached = served_gap(url, reference, grown, cache=True)
+        assert gap < 1e-4 and differ == 0 and cached == sum(map(len, grown[:-1]))
+    with llama_server(root / "dsv32-dsa.gguf", slots=1, context=512) as url:  # server defaults: f16 KV cache, fa auto
         gap, differ, _ = served_gap(url, reference, prompts)
         assert gap < 0.1 and differ <= 1  # measured 2.3e-2, none
 

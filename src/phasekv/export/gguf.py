@@ -209,29 +209,42 @@ _LAYER = {
 
 def gguf_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
     """(llama.cpp's tensor name, tensor, transformers' name) of a model llama.cpp accepts as it is (`widen` first);
-    torch shapes (GGUF lists them reversed).  Every parameter and persistent buffer is placed or the export
-    refuses, so nothing is dropped silently."""
+    torch shapes (GGUF lists them reversed)."""
+    def layer(block: str, rest: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if rest == "mlp.experts.gate_up_proj":
+            return split_gate_up(block, t)
+        if rest == "mlp.gate.e_score_correction_bias":
+            return [(block + "exp_probs_b.bias", t)]
+        if rest in _LAYER:
+            return [(block + _LAYER[rest] + ".weight", t.to(torch.int32) if rest == "mlp.gate.tid2eid" else t)]
+        return []
+
+    return place_tensors(model, _TOP, layer)
+
+
+def split_gate_up(block: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers' packed experts (E, 2I, H: gate rows then up rows) as llama.cpp's two expert tensors."""
+    gate, up = t.chunk(2, dim=1)
+    return [(block + "ffn_gate_exps.weight", gate), (block + "ffn_up_exps.weight", up)]
+
+
+def place_tensors(model: nn.Module, top: dict[str, str], layer) -> list[tuple[str, torch.Tensor, str]]:
+    """(llama.cpp's name, tensor, transformers' name) for every parameter and persistent buffer of `model`: `top`
+    maps whole names, `layer(block, rest, tensor)` the rest of `model.layers.N.rest` under `block` = "blk.N." (a
+    list of (name, tensor), empty for none).  A tensor nothing places is refused, so nothing is dropped silently;
+    RoPE's inverse frequencies are left out (llama.cpp recomputes them from the rope keys)."""
     out = []
     for name, t in model.state_dict().items():
-        if ".rotary_emb." in name:  # inverse frequencies, recomputed by llama.cpp from the rope keys
+        if ".rotary_emb." in name:
             continue
-        if name in _TOP:
-            out.append((_TOP[name], t, name))
+        if name in top:
+            out.append((top[name], t, name))
             continue
         parts = name.split(".", 3)  # model, layers, i, rest
-        if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        placed = layer(f"blk.{parts[2]}.", parts[3], t) if len(parts) == 4 and parts[:2] == ["model", "layers"] else []
+        if not placed:
             raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
-        block, rest = f"blk.{parts[2]}.", parts[3]
-        if rest == "mlp.experts.gate_up_proj":  # (E, 2I, H): gate rows then up rows
-            gate, up = t.chunk(2, dim=1)
-            out += [(block + "ffn_gate_exps.weight", gate, name), (block + "ffn_up_exps.weight", up, name)]
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out.append((block + "exp_probs_b.bias", t, name))
-        elif rest in _LAYER:
-            out.append((block + _LAYER[rest] + ".weight", t.to(torch.int32) if rest == "mlp.gate.tid2eid" else t,
-                        name))
-        else:
-            raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
+        out += [(gguf_name, tensor, name) for gguf_name, tensor in placed]
     return out
 
 

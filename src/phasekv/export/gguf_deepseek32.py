@@ -122,32 +122,22 @@ _LAYER = {
 
 def gguf_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
     """(llama.cpp's tensor name, tensor, transformers' name), torch shapes; every parameter and persistent buffer
-    is placed or the export refuses."""
+    is placed or the export refuses (`phasekv.export.gguf.place_tensors`)."""
+    from phasekv.export.gguf import place_tensors, split_gate_up
+
     config = model.config
     heads, nope, v_dim = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
-    out = []
-    for name, t in model.state_dict().items():
-        if ".rotary_emb." in name:
-            continue
-        if name in _TOP:
-            out.append((_TOP[name], t, name))
-            continue
-        parts = name.split(".", 3)  # model, layers, i, rest
-        if len(parts) < 4 or parts[:2] != ["model", "layers"]:
-            raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
-        block, rest = f"blk.{parts[2]}.", parts[3]
+
+    def layer(block: str, rest: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if rest == "self_attn.kv_b_proj.weight":  # (heads*(nope+v), kv_lora): per head [k nope | v]
             k_b, v_b = t.view(heads, nope + v_dim, -1).split([nope, v_dim], dim=1)  # (heads, nope|v, kv_lora)
-            out += [(block + "attn_k_b.weight", k_b.transpose(1, 2).contiguous(), name),  # (heads, kv_lora, nope)
-                    (block + "attn_v_b.weight", v_b.contiguous(), name)]  # (heads, v, kv_lora)
-        elif rest == "mlp.experts.gate_up_proj":  # (E, 2I, H): gate rows then up rows
-            gate, up = t.chunk(2, dim=1)
-            out += [(block + "ffn_gate_exps.weight", gate, name), (block + "ffn_up_exps.weight", up, name)]
-        elif rest in _LAYER:
-            out.append((block + _LAYER[rest], t, name))
-        else:
-            raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
-    return out
+            return [(block + "attn_k_b.weight", k_b.transpose(1, 2).contiguous()),  # (heads, kv_lora, nope)
+                    (block + "attn_v_b.weight", v_b.contiguous())]  # (heads, v, kv_lora)
+        if rest == "mlp.experts.gate_up_proj":
+            return split_gate_up(block, t)
+        return [(block + _LAYER[rest], t)] if rest in _LAYER else []
+
+    return place_tensors(model, _TOP, layer)
 
 
 def gguf_metadata(config: Any) -> dict[str, Any]:
