@@ -175,10 +175,13 @@ def test_llama_server_agrees_with_transformers_on_the_trained_checkpoint(exporte
     prompts = random_prompts(8, 210, 20, 200, seed=1)
     with llama_server(root / "dsv32-dsa.gguf", slots=1, context=512, extra=(*STRICT, "-ub", "30", "-b", "30")) as url:
         gap, differ, _ = served_gap(url, reference, prompts)
-        assert gap < 1e-4 and differ == 0  # measured 3.9e-5
+        # measured 1.6e-4: transformers' own float32 vs float64 on these prompts differs by 1.2e-4
+        assert gap < 5e-4 and differ == 0
         grown = grown_prompts(prompts[0][:30], prompts[1], (1, 5, 13, 40))  # the indexer scores cached keys
         gap, differ, cached = served_gap(url, reference, grown, cache=True)
-        assert gap < 1e-4 and differ == 0 and cached == sum(map(len, grown[:-1]))
+        # every prompt continues the last; the first also finds its 30 tokens, prompt 0's start, in the server's
+        # RAM prompt cache (measured: 146 = 116 + 30)
+        assert gap < 5e-4 and differ == 0 and cached == sum(map(len, grown[:-1])) + 30
     with llama_server(root / "dsv32-dsa.gguf", slots=1, context=512) as url:  # server defaults: f16 KV cache, fa auto
         gap, differ, _ = served_gap(url, reference, prompts)
         assert gap < 0.1 and differ <= 1  # measured 2.3e-2, none

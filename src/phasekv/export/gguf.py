@@ -1,5 +1,8 @@
 """`phasekv export gguf`: a transformers DeepSeek-V4 checkpoint as a GGUF file that llama.cpp's `deepseek4` serves.
 
+(DeepSeek-V3.2 checkpoints go to llama.cpp's `deepseek32` through the same writer and tokenizer; their layout and
+widening are in gguf_deepseek32.py, chosen by `layout`.)
+
 llama.cpp has its own DeepSeek-V4 kernels (src/models/deepseek4.cpp of b11434: the overlapping ratio-4 compressor and
 lightning indexer of CSA, the ratio-128 compressor of HCA, hyper-connections, grouped output projection); auditing
 them on phasekv-trained weights (docs/gguf.md) needs the weights in llama.cpp's layout.  llama.cpp's converter reads
