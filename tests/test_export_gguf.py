@@ -184,7 +184,7 @@ def test_export_refuses_bad_outputs_and_other_models_in_one_line(tmp_path):
     for kwargs, match in [(dict(checkpoint=CHECKPOINT, out=existing), "exists; pass --force"),
                           (dict(checkpoint=CHECKPOINT, out=tmp_path / "x.bin"), "must name a .gguf file"),
                           (dict(checkpoint=CHECKPOINT, out=tmp_path / "y.gguf", dtype="q4"), "--dtype"),
-                          (dict(checkpoint="checkpoints/w8s8", out=tmp_path / "y.gguf"), "deepseek_v4, got 'phasekv'"),
+                          (dict(checkpoint="checkpoints/w8s8", out=tmp_path / "y.gguf"), "covers .*, got 'phasekv'"),
                           (dict(checkpoint="checkpoints/dsv4-hca", out=tmp_path / "y.gguf"), "ratios 0, 4 and 128")]:
         with pytest.raises(ValueError, match=match):
             eg.export_gguf(**kwargs)
@@ -224,17 +224,31 @@ def served_gap(url: str, reference, prompts: list[list[int]], cache: bool = Fals
     return worst, differ, cached
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """checkpoints/dsv4-csa exported (f32, with its transformers twin) and that twin loaded."""
+def export_twin(root: Path, checkpoint: str):
+    """`checkpoint` exported by the command (f32, as root/NAME.gguf, with its transformers twin in root/hf):
+    (root, the twin loaded)."""
     from transformers import AutoModelForCausalLM
 
     from phasekv.cli import main
 
-    root = tmp_path_factory.mktemp("gguf")
-    assert main(["export", "gguf", "--checkpoint", CHECKPOINT, "--out", str(root / "dsv4-csa.gguf"), "--hf-out",
-                 str(root / "hf")]) == 0
+    assert main(["export", "gguf", "--checkpoint", checkpoint, "--out", str(root / f"{Path(checkpoint).name}.gguf"),
+                 "--hf-out", str(root / "hf")]) == 0
     return root, AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+
+
+def grown_prompts(start: list[int], more: list[int], steps: tuple[int, ...]) -> list[list[int]]:
+    """`start` extended step by step by the next tokens of `more` (each prompt the last one plus `step` tokens):
+    the prompts a server continues from its cache."""
+    grown = [start]
+    for step in steps:
+        grown.append(grown[-1] + more[1:step + 1])
+    return grown[1:]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """checkpoints/dsv4-csa exported (f32, with its transformers twin) and that twin loaded."""
+    return export_twin(tmp_path_factory.mktemp("gguf"), CHECKPOINT)
 
 
 @needs_server
@@ -248,11 +262,9 @@ def test_llama_server_agrees_with_transformers_on_the_trained_checkpoint(exporte
     with llama_server(root / "dsv4-csa.gguf", slots=1, context=512, extra=(*STRICT, "-ub", "30", "-b", "30")) as url:
         gap, differ, _ = served_gap(url, reference, prompts)
         assert gap < 1e-4 and differ == 0  # measured 5.5e-6
-        grown = [prompts[0][:30]]  # each prompt extends the last: the server continues from its cache
-        for step in (1, 3, 4, 5, 13, 40):
-            grown.append(grown[-1] + prompts[1][1:step + 1])
-        gap, differ, cached = served_gap(url, reference, grown[1:], cache=True)
-        assert gap < 1e-4 and differ == 0 and cached == sum(map(len, grown[1:-1]))  # measured 5.5e-6
+        grown = grown_prompts(prompts[0][:30], prompts[1], (1, 3, 4, 5, 13, 40))  # continued from the cache
+        gap, differ, cached = served_gap(url, reference, grown, cache=True)
+        assert gap < 1e-4 and differ == 0 and cached == sum(map(len, grown[:-1]))  # measured 5.5e-6
         vocab = Vocabulary.from_dict(read_experiment(CHECKPOINT)["vocab"])
         text = " ".join(vocab.words[2:])
         assert httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"] == vocab.encode(text)

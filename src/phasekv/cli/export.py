@@ -52,9 +52,9 @@ def run_gguf(args) -> dict[str, Any]:
         except ValueError as exc:
             raise ValueError(str(exc).replace("--out", "--hf-out", 1)) from None
     summary = export_gguf(args.checkpoint, args.out, args.dtype, args.hf_out, args.force)
+    widened = ", ".join(f"{field} {old} -> {new}" for field, (old, new) in summary["widened"].items())
     print(f"wrote {summary['file']} ({summary['tensors']} tensors, {summary['dtype']}, "
-          f"{summary['bytes'] / 1e6:.1f} MB; hc_mult {summary['hc_mult'][0]} -> {summary['hc_mult'][1]}, "
-          f"index_head_dim {summary['index_head_dim'][0]} -> {summary['index_head_dim'][1]})")
+          f"{summary['bytes'] / 1e6:.1f} MB; {widened})")
     return summary
 
 

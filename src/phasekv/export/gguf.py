@@ -1,5 +1,8 @@
 """`phasekv export gguf`: a transformers DeepSeek-V4 checkpoint as a GGUF file that llama.cpp's `deepseek4` serves.
 
+(DeepSeek-V3.2 checkpoints go to llama.cpp's `deepseek32` through the same writer and tokenizer; their layout and
+widening are in gguf_deepseek32.py, chosen by `layout`.)
+
 llama.cpp has its own DeepSeek-V4 kernels (src/models/deepseek4.cpp of b11434: the overlapping ratio-4 compressor and
 lightning indexer of CSA, the ratio-128 compressor of HCA, hyper-connections, grouped output projection); auditing
 them on phasekv-trained weights (docs/gguf.md) needs the weights in llama.cpp's layout.  llama.cpp's converter reads
@@ -209,29 +212,42 @@ _LAYER = {
 
 def gguf_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
     """(llama.cpp's tensor name, tensor, transformers' name) of a model llama.cpp accepts as it is (`widen` first);
-    torch shapes (GGUF lists them reversed).  Every parameter and persistent buffer is placed or the export
-    refuses, so nothing is dropped silently."""
+    torch shapes (GGUF lists them reversed)."""
+    def layer(block: str, rest: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if rest == "mlp.experts.gate_up_proj":
+            return split_gate_up(block, t)
+        if rest == "mlp.gate.e_score_correction_bias":
+            return [(block + "exp_probs_b.bias", t)]
+        if rest in _LAYER:
+            return [(block + _LAYER[rest] + ".weight", t.to(torch.int32) if rest == "mlp.gate.tid2eid" else t)]
+        return []
+
+    return place_tensors(model, _TOP, layer)
+
+
+def split_gate_up(block: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers' packed experts (E, 2I, H: gate rows then up rows) as llama.cpp's two expert tensors."""
+    gate, up = t.chunk(2, dim=1)
+    return [(block + "ffn_gate_exps.weight", gate), (block + "ffn_up_exps.weight", up)]
+
+
+def place_tensors(model: nn.Module, top: dict[str, str], layer) -> list[tuple[str, torch.Tensor, str]]:
+    """(llama.cpp's name, tensor, transformers' name) for every parameter and persistent buffer of `model`: `top`
+    maps whole names, `layer(block, rest, tensor)` the rest of `model.layers.N.rest` under `block` = "blk.N." (a
+    list of (name, tensor), empty for none).  A tensor nothing places is refused, so nothing is dropped silently;
+    RoPE's inverse frequencies are left out (llama.cpp recomputes them from the rope keys)."""
     out = []
     for name, t in model.state_dict().items():
-        if ".rotary_emb." in name:  # inverse frequencies, recomputed by llama.cpp from the rope keys
+        if ".rotary_emb." in name:
             continue
-        if name in _TOP:
-            out.append((_TOP[name], t, name))
+        if name in top:
+            out.append((top[name], t, name))
             continue
         parts = name.split(".", 3)  # model, layers, i, rest
-        if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        placed = layer(f"blk.{parts[2]}.", parts[3], t) if len(parts) == 4 and parts[:2] == ["model", "layers"] else []
+        if not placed:
             raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
-        block, rest = f"blk.{parts[2]}.", parts[3]
-        if rest == "mlp.experts.gate_up_proj":  # (E, 2I, H): gate rows then up rows
-            gate, up = t.chunk(2, dim=1)
-            out += [(block + "ffn_gate_exps.weight", gate, name), (block + "ffn_up_exps.weight", up, name)]
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out.append((block + "exp_probs_b.bias", t, name))
-        elif rest in _LAYER:
-            out.append((block + _LAYER[rest] + ".weight", t.to(torch.int32) if rest == "mlp.gate.tid2eid" else t,
-                        name))
-        else:
-            raise ValueError(f"gguf export: no llama.cpp tensor for {name}")
+        out += [(gguf_name, tensor, name) for gguf_name, tensor in placed]
     return out
 
 
@@ -340,14 +356,15 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
     config = model.config
+    arch = layout(config)
     out = Path(out)
     keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), ARCH)
+    writer = gguf.GGUFWriter(str(tmp), arch.ARCH)
     try:
         writer.add_name(name)
         writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32))
-        for key, value in gguf_metadata(config).items():
+        for key, value in arch.gguf_metadata(config).items():
             _add_value(writer, gguf, key, value)
         tokens = word_tokens(vocab, config.vocab_size)
         writer.add_tokenizer_model("whitespace")
@@ -362,7 +379,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.add_pad_token_id(tokens.index("<pad>"))
         writer.add_add_bos_token(False)  # phasekv prompts start with <bos> themselves
         writer.add_add_eos_token(False)
-        tensors = gguf_tensors(model)
+        tensors = arch.gguf_tensors(model)
         for gguf_name, t, source in tensors:
             array = t.detach().cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy()
             if dtype == "f16" and array.ndim >= 2 and not any(k in source for k in keep_f32):
@@ -380,6 +397,19 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.close()
         tmp.unlink(missing_ok=True)
     return {"file": str(out), "tensors": len(tensors), "dtype": dtype, "bytes": out.stat().st_size}
+
+
+LAYOUTS = {"deepseek_v4": __name__, "deepseek_v32": "phasekv.export.gguf_deepseek32"}
+
+
+def layout(config: Any):
+    """The module that holds llama.cpp's layout for `config.model_type` (ARCH, check_exportable, widen,
+    gguf_tensors, gguf_metadata): this one for DeepSeek-V4, one module per other architecture."""
+    import importlib
+
+    if config.model_type not in LAYOUTS:
+        raise ValueError(f"model.model_type: GGUF export covers {' and '.join(LAYOUTS)}, got {config.model_type!r}")
+    return importlib.import_module(LAYOUTS[config.model_type])
 
 
 def _add_value(writer, gguf, key: str, value: Any) -> None:
@@ -417,21 +447,23 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
         raise ValueError(f"--out {out}: its directory {out.parent} does not exist")
     experiment = read_experiment(checkpoint)
     config = model_config_from_dict(experiment["model"])
-    if not isinstance(config, TransformersModelConfig) or config.model_type != "deepseek_v4":
-        raise ValueError(f"checkpoint {checkpoint}: model.model_type: GGUF export covers transformers' deepseek_v4, "
-                         f"got {experiment['model'].get('model_type', 'phasekv')!r}")
-    check_exportable(config.to_hf())  # before the weights are read
+    if not isinstance(config, TransformersModelConfig) or config.model_type not in LAYOUTS:
+        raise ValueError(f"checkpoint {checkpoint}: model.model_type: GGUF export covers transformers' "
+                         f"{' and '.join(LAYOUTS)}, got {experiment['model'].get('model_type', 'phasekv')!r}")
+    arch = layout(config)
+    arch.check_exportable(config.to_hf())  # before the weights are read
     if "vocab" not in experiment:
         raise ValueError(f"checkpoint {checkpoint}: config.json has no 'vocab' (not written by phasekv train)")
     vocab = Vocabulary.from_dict(experiment["vocab"])
     model, _ = load_checkpoint(checkpoint)
-    wide = widen(model)
+    wide = arch.widen(model)
     name = resolve(checkpoint).name
     if hf_out is not None:  # first: a refused --hf-out leaves no GGUF behind
         with output_dir(hf_out, force) as tmp:
             wide.save_pretrained(tmp)
             word_tokenizer(vocab, wide.config.vocab_size).save_pretrained(tmp)
     summary = write_gguf(wide, vocab, out, dtype, name)
-    return {**summary, "checkpoint": str(checkpoint), "hc_mult": [model.config.hc_mult, wide.config.hc_mult],
-            "index_head_dim": [model.config.index_head_dim, wide.config.index_head_dim],
+    widened = {field: [getattr(model.config, field), getattr(wide.config, field)]
+               for field in ("hc_mult", "index_head_dim") if hasattr(model.config, field)}
+    return {**summary, "checkpoint": str(checkpoint), "widened": widened,
             "hf_out": None if hf_out is None else str(hf_out)}
