@@ -193,6 +193,24 @@ def test_distillation_lowers_the_held_out_kl_and_raises_recall():
     assert after["recall_at_budget"] > before["recall_at_budget"]
 
 
+def test_distillation_ranks_only_the_pools_selection_chooses_among():
+    """The loss is the KL over the selection's candidates: attention mass moved within the local tail leaves it
+    unchanged, mass moved between two candidate pools changes it."""
+    from phasekv.train_indexer import IndexerTraining, distillation_loss
+
+    torch.manual_seed(0)
+    cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=1, held_out=1, length=48, local=8, sink=1)
+    indexers = ix.build_glm_indexers(16, 1, 4, 2, 8)
+    mass = torch.rand(1, 48, 12)
+    feature = {"hidden": torch.randn(1, 48, 16), "mass": mass}
+    base = float(distillation_loss(indexers, [feature], cfg))
+    tail, far = mass.clone(), mass.clone()
+    tail[0, 47, 10] += 5.0  # pool 10 (keys 40..43) is inside query 47's local tail (40..47)
+    far[0, 47, 3] += 5.0  # pool 3 (keys 12..15) is a candidate of query 47
+    assert float(distillation_loss(indexers, [{**feature, "mass": tail}], cfg)) == pytest.approx(base, abs=1e-6)
+    assert abs(float(distillation_loss(indexers, [{**feature, "mass": far}], cfg)) - base) > 1e-4
+
+
 def test_the_mechanism_counts_the_target_pool_per_phase():
     """On a lookup prompt set the oracle's rate of selecting the target's pool is reported per phase, in [0, 1],
     with the tail share apart."""
