@@ -132,14 +132,23 @@ def test_a_budget_attends_everything_matches_dense_attention():
             assert torch.allclose(model(ids).logits, dense, atol=1e-5)
 
 
-def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them():
+@pytest.mark.parametrize("indexer", ["oracle", "max", "distilled"])
+def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them(indexer, tmp_path):
+    """Prefill then continue (over the selected cache for oracle and max, whole prompts for distilled) gives the
+    logits of one selected forward per whole prompt, and differs from the dense model's."""
     model = tiny_causal_lm("llama", 50, 256, "eager")
-    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection("kpool:pool=4,top=2,local=4"))
+    name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
+    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection(f"kpool:pool=4,top=2,local=4,"
+                                                                                f"indexer={name}"))
+    assert adapter.cached == (indexer != "distilled")
     contexts = torch.randint(0, 50, (2, 30))
     queries = torch.randint(0, 50, (6, 3))
     split = adapter.continue_from(adapter.prefill(contexts), queries, 3)
-    whole = adapter.logits(torch.cat([contexts.repeat_interleave(3, 0), queries], 1))[:, -3:]
+    whole_ids = torch.cat([contexts.repeat_interleave(3, 0), queries], 1)
+    whole = adapter.logits(whole_ids)[:, -3:]
     assert torch.allclose(split, whole, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(model(whole_ids).logits[:, -3:], whole, atol=1e-3)
     assert adapter.info.stride == 4
     with pytest.raises(ValueError, match="would attend everything"):
         adapter.check_length(12)

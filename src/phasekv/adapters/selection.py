@@ -335,13 +335,15 @@ def attended_fraction(spec: SelectionSpec, length: int) -> float:
 
 
 class SelectionAdapter(Wrapped):
-    """An HFAdapter evaluated under pooled selection: every prompt is one full forward (selection acts at every
-    position of the prefill, as in the real models), so `prefill` keeps the context ids and `continue_from` runs
-    context + query whole; `runner.predict` works unchanged.  `attended` is the share of the context the
-    answering query attends (sink + local tail + K pools) at the last checked prompt length; `extras` adds it and
-    the selection mechanism per phase (`selection_mechanism`) to the audit's summary."""
-
-    shares_cache = False
+    """An HFAdapter evaluated under pooled selection, which acts at every position of the prefill as in the real
+    models.  An indexer that reads only the attention call's own queries and keys (oracle, mean, max) runs the
+    runner's split path: the context is prefilled once under selection and each query continues from a copy of
+    its cache under selection (selection is causal, so this is the whole prompt's forward; the cache holds the
+    keys the indexer scores).  A distilled indexer scores the prompt's hidden states, which a cache does not
+    hold, so there `prefill` keeps the context ids and `continue_from` runs context + query whole.  `attended`
+    is the share of the context the answering query attends (sink + local tail + K pools) at the last checked
+    prompt length; `extras` adds it and the selection mechanism per phase (`selection_mechanism`) to the audit's
+    summary."""
 
     def __init__(self, inner, spec: SelectionSpec):
         from phasekv.adapters.indexers import make_indexer
@@ -349,8 +351,9 @@ class SelectionAdapter(Wrapped):
         i = inner.info
         super().__init__(inner, ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads,
                                           i.num_kv_heads, i.head_dim, i.max_length, spec.pool, spec.local))
-        self.shares_cache = False
         self.spec, self.indexer = spec, make_indexer(spec.indexer)
+        self.cached = not self.indexer.needs_hidden  # whether selection runs over the inner adapter's cache
+        self.shares_cache = inner.shares_cache and self.cached
         self.attended: float | None = None
 
     def check_length(self, length: int) -> None:
@@ -386,10 +389,16 @@ class SelectionAdapter(Wrapped):
         return self._forward(ids, 1)
 
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
-        return ids, ids.shape[1]
+        if not self.cached:
+            return ids, ids.shape[1]
+        with selecting(self.module, self.spec, self.indexer):
+            return self.inner.prefill(ids)
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions."""
+        if self.cached:
+            with selecting(self.module, self.spec, self.indexer):
+                return self.inner.continue_by_copies(cache, ids, repeats)
         contexts, _ = cache
         whole = torch.cat([contexts.repeat_interleave(repeats, 0), ids.to(contexts.device)], dim=1)
         return self._forward(whole, ids.shape[1])
