@@ -48,6 +48,26 @@ def test_fast_selection_matches_the_per_query_reference(text, indexer, heads):
     assert torch.allclose(fast, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["sum", "mean", "max"])
+@pytest.mark.parametrize("t, pool", [(40, 4), (41, 4), (23, 8), (9, 1)])
+def test_the_reshaped_pool_reduction_matches_the_scatter(how, t, pool):
+    """pool_reduce_fast (keys at 0 .. T-1) against the scatter `pool_reduce`, causal visibility and a random
+    padding mask, a trailing partial pool and one more pool than the keys fill."""
+    g = torch.Generator().manual_seed(t)
+    values = torch.randn(2, 3, t, t, generator=g)
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & (torch.rand(2, 1, 1, t, generator=g) > 0.2)
+    pools = -(-t // pool) + 1
+    key_pool = torch.arange(t) // pool
+    fast = ix.pool_reduce_fast(values, visible, pool, pools, how)
+    slow = ix.pool_reduce(values, key_pool, pools, visible, how)
+    assert fast.shape == slow.shape == (2, 3, t, pools)
+    assert torch.equal(fast.isinf(), slow.isinf())
+    assert torch.allclose(fast.nan_to_num(0, 0, 0), slow.nan_to_num(0, 0, 0), atol=1e-5)
+    if how != "mean":  # values already neutral where unseen: the same without the mask
+        neutral = values.masked_fill(~visible, float("-inf") if how == "max" else 0.0)
+        assert torch.equal(ix.pool_reduce_fast(neutral, None, pool, pools, how), fast)
+
+
 def test_the_distilled_indexer_matches_the_reference_too(tmp_path):
     directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
     spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,indexer=distilled:{directory}")

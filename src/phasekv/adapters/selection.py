@@ -141,6 +141,11 @@ class Geometry:
     def key_pool(self, pool: int) -> torch.Tensor:
         return self.key_pos // pool  # (Tk,)
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether the keys sit at positions 0 .. Tk - 1 in order (a whole forward): pools are then slices."""
+        return torch.equal(self.key_pos, torch.arange(len(self.key_pos), device=self.key_pos.device))
+
 
 def call_geometry(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None) -> Geometry:
@@ -186,7 +191,11 @@ def selection_mask(spec: SelectionSpec, geometry: Geometry, selected: torch.Tens
     """(B, G, Tq, Tk) bool: the keys each query attends: visible and (sink, local or in a selected pool)."""
     t, s = geometry.query_pos[:, None], geometry.key_pos[None, :]
     fixed = (s < spec.sink) | (t - s < spec.local)  # (Tq, Tk)
-    pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))  # (B, G, Tq, Tk)
+    tk = len(geometry.key_pos)
+    if geometry.contiguous:  # pool j is keys jP .. jP + P - 1: repeat each pool's flag P times
+        pooled = selected.repeat_interleave(spec.pool, dim=-1)[..., :tk]  # (B, G, Tq, Tk)
+    else:
+        pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))
     return geometry.visible & (fixed | pooled)
 
 
@@ -219,7 +228,7 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
     k, v = _expand_kv(key, heads // kv_heads), _expand_kv(value, heads // kv_heads)
-    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling  # (B, H, Tq, Tk)
+    logits = torch.matmul(query * scaling, k.transpose(-1, -2))  # (B, H, Tq, Tk); scaled on the smaller side
     pools = int(geometry.key_pos.max()) // spec.pool + 1
     scores = state.indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
                                        kv_heads=kv_heads, hidden=state.hidden.get(id(module)))  # (B, G, Tq, P)
@@ -227,7 +236,8 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     allowed = selection_mask(spec, geometry, selected)  # (B, G, Tq, Tk)
     if allowed.shape[1] not in (1, heads):
         allowed = allowed.repeat_interleave(heads // allowed.shape[1], dim=1)
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)  # the local tail keeps every row non-empty
+    # in place: the indexer is done with the dense logits; the local tail keeps every row non-empty
+    probs = logits.masked_fill_(~allowed, float("-inf")).softmax(-1)
     if state.record:  # the last query's selection (B, G, pools) and attention (B, H, Tk)
         state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": probs[:, :, -1].detach(),
                                "key_pos": geometry.key_pos, "query_pos": geometry.query_pos[-1]})
