@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -221,7 +222,7 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
-    -> ((B, Tq, H, D) output, (B, H, Tq, Tk) probabilities) under the module's selection."""
+    -> ((B, Tq, H, D) output, None: the probabilities are never materialised) under the module's selection."""
     state = _ACTIVE[id(module)]
     spec = state.spec
     heads, kv_heads = query.shape[1], key.shape[1]
@@ -236,13 +237,15 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     allowed = selection_mask(spec, geometry, selected)  # (B, G, Tq, Tk)
     if allowed.shape[1] not in (1, heads):
         allowed = allowed.repeat_interleave(heads // allowed.shape[1], dim=1)
-    # in place: the indexer is done with the dense logits; the local tail keeps every row non-empty
-    probs = logits.masked_fill_(~allowed, float("-inf")).softmax(-1)
     if state.record:  # the last query's selection (B, G, pools) and attention (B, H, Tk)
-        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": probs[:, :, -1].detach(),
+        last = logits[:, :, -1].masked_fill(~allowed[:, :, -1], float("-inf")).softmax(-1)
+        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": last.detach(),
                                "key_pos": geometry.key_pos, "query_pos": geometry.query_pos[-1]})
-    out = torch.matmul(probs.to(v.dtype), v)  # (B, H, Tq, D)
-    return out.transpose(1, 2).contiguous(), probs
+    del logits  # the fused attention below recomputes the scores; the (B, H, Tq, Tk) logits go now
+    # torch's fused attention with the selection as a boolean mask (True = attend); the local tail keeps every
+    # row non-empty
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (B, H, Tq, D)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def reference_attention(spec: SelectionSpec, indexer: Any, module: nn.Module, query: torch.Tensor,
