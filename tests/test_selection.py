@@ -48,6 +48,26 @@ def test_fast_selection_matches_the_per_query_reference(text, indexer, heads):
     assert torch.allclose(fast, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["sum", "mean", "max"])
+@pytest.mark.parametrize("t, pool", [(40, 4), (41, 4), (23, 8), (9, 1)])
+def test_the_reshaped_pool_reduction_matches_the_scatter(how, t, pool):
+    """pool_reduce_fast (keys at 0 .. T-1) against the scatter `pool_reduce`, causal visibility and a random
+    padding mask, a trailing partial pool and one more pool than the keys fill."""
+    g = torch.Generator().manual_seed(t)
+    values = torch.randn(2, 3, t, t, generator=g)
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & (torch.rand(2, 1, 1, t, generator=g) > 0.2)
+    pools = -(-t // pool) + 1
+    key_pool = torch.arange(t) // pool
+    fast = ix.pool_reduce_fast(values, visible, pool, pools, how)
+    slow = ix.pool_reduce(values, key_pool, pools, visible, how)
+    assert fast.shape == slow.shape == (2, 3, t, pools)
+    assert torch.equal(fast.isinf(), slow.isinf())
+    assert torch.allclose(fast.nan_to_num(0, 0, 0), slow.nan_to_num(0, 0, 0), atol=1e-5)
+    if how != "mean":  # values already neutral where unseen: the same without the mask
+        neutral = values.masked_fill(~visible, float("-inf") if how == "max" else 0.0)
+        assert torch.equal(ix.pool_reduce_fast(neutral, None, pool, pools, how), fast)
+
+
 def test_the_distilled_indexer_matches_the_reference_too(tmp_path):
     directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
     spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,indexer=distilled:{directory}")
@@ -132,14 +152,23 @@ def test_a_budget_attends_everything_matches_dense_attention():
             assert torch.allclose(model(ids).logits, dense, atol=1e-5)
 
 
-def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them():
+@pytest.mark.parametrize("indexer", ["oracle", "max", "distilled"])
+def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them(indexer, tmp_path):
+    """Prefill then continue (over the selected cache for oracle and max, whole prompts for distilled) gives the
+    logits of one selected forward per whole prompt, and differs from the dense model's."""
     model = tiny_causal_lm("llama", 50, 256, "eager")
-    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection("kpool:pool=4,top=2,local=4"))
+    name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
+    adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection(f"kpool:pool=4,top=2,local=4,"
+                                                                                f"indexer={name}"))
+    assert adapter.cached == (indexer != "distilled")
     contexts = torch.randint(0, 50, (2, 30))
     queries = torch.randint(0, 50, (6, 3))
     split = adapter.continue_from(adapter.prefill(contexts), queries, 3)
-    whole = adapter.logits(torch.cat([contexts.repeat_interleave(3, 0), queries], 1))[:, -3:]
+    whole_ids = torch.cat([contexts.repeat_interleave(3, 0), queries], 1)
+    whole = adapter.logits(whole_ids)[:, -3:]
     assert torch.allclose(split, whole, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(model(whole_ids).logits[:, -3:], whole, atol=1e-3)
     assert adapter.info.stride == 4
     with pytest.raises(ValueError, match="would attend everything"):
         adapter.check_length(12)
@@ -193,6 +222,24 @@ def test_distillation_lowers_the_held_out_kl_and_raises_recall():
     assert after["recall_at_budget"] > before["recall_at_budget"]
 
 
+def test_distillation_ranks_only_the_pools_selection_chooses_among():
+    """The loss is the KL over the selection's candidates: attention mass moved within the local tail leaves it
+    unchanged, mass moved between two candidate pools changes it."""
+    from phasekv.train_indexer import IndexerTraining, distillation_loss
+
+    torch.manual_seed(0)
+    cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=1, held_out=1, length=48, local=8, sink=1)
+    indexers = ix.build_glm_indexers(16, 1, 4, 2, 8)
+    mass = torch.rand(1, 48, 12)
+    feature = {"hidden": torch.randn(1, 48, 16), "mass": mass}
+    base = float(distillation_loss(indexers, [feature], cfg))
+    tail, far = mass.clone(), mass.clone()
+    tail[0, 47, 10] += 5.0  # pool 10 (keys 40..43) is inside query 47's local tail (40..47)
+    far[0, 47, 3] += 5.0  # pool 3 (keys 12..15) is a candidate of query 47
+    assert float(distillation_loss(indexers, [{**feature, "mass": tail}], cfg)) == pytest.approx(base, abs=1e-6)
+    assert abs(float(distillation_loss(indexers, [{**feature, "mass": far}], cfg)) - base) > 1e-4
+
+
 def test_the_mechanism_counts_the_target_pool_per_phase():
     """On a lookup prompt set the oracle's rate of selecting the target's pool is reported per phase, in [0, 1],
     with the tail share apart."""
@@ -223,3 +270,82 @@ def _distilled_dir(tmp_path, hidden: int, layers: int, pool: int):
     (directory / ix.CONFIG_FILE).write_text(json.dumps({"pool": pool, "hidden_size": hidden, "layers": layers,
                                                         "heads": 2, "head_dim": 8}))
     return directory
+
+
+def _plain(t: int):
+    pos = torch.arange(t)
+    return sel.Geometry(pos, pos, (pos[None, :] <= pos[:, None])[None, None])
+
+
+def test_the_max_indexer_selects_minimax_m3s_own_blocks():
+    """transformers' MiniMaxM3VLIndexer on random hidden states (no rotation: cos 1, sin 0): its per-head block
+    selection, less its local blocks, is the `max` indexer's selection (heads=kv, one head per group) on the same
+    module's queries and keys, with the local tail at its local blocks and the budget at its other blocks."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
+
+    torch.manual_seed(0)
+    block, topk, local_blocks, heads, t = 4, 3, 1, 2, 37
+    config = MiniMaxM3VLTextConfig(hidden_size=16, index_n_heads=heads, index_head_dim=8, index_block_size=block,
+                                   index_topk_blocks=topk, index_local_blocks=local_blocks)
+    module = MiniMaxM3VLIndexer(config, 0).eval()
+    kept = {}
+    module.q_norm.register_forward_hook(lambda m, a, out: kept.__setitem__("q", out.transpose(1, 2)))
+    module.k_norm.register_forward_hook(lambda m, a, out: kept.__setitem__("k", out.transpose(1, 2)))
+    hidden = torch.randn(1, t, 16)
+    position_ids = torch.arange(t)[None]
+    with torch.no_grad():
+        blocks = module(hidden, (torch.ones(1, t, 8), torch.zeros(1, t, 8)), None, position_ids)  # (1, H, S, topk)
+    logits = kept["q"] @ kept["k"].transpose(-1, -2)  # (1, H, S, S)
+    spec = sel.parse_selection(f"kpool:pool={block},top={topk - local_blocks},local={local_blocks * block},sink=0,"
+                               "heads=kv,indexer=max")
+    geometry = _plain(t)
+    pools = -(-t // block)
+    scores = ix.MaxKey().pool_scores(module=None, logits=logits, geometry=geometry, spec=spec, pools=pools,
+                                     kv_heads=heads, hidden=None)
+    mine = sel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, pools), geometry.query_pos)
+    compared = 0
+    for h in range(heads):
+        for q in range(block * local_blocks, t):  # from the first query with all its local blocks
+            local = {q // block - i for i in range(local_blocks)}
+            theirs = {int(j) for j in blocks[0, h, q] if j >= 0} - local
+            assert set(mine[0, h, q].nonzero().flatten().tolist()) == theirs, (h, q)
+            compared += len(theirs)
+    assert compared > 50  # the comparison covered real choices, not only empty sets
+
+
+def test_the_mean_indexer_scores_glm5s_own_pooled_keys():
+    """transformers' Glm5NextTextIndexer, pooling gate and position offsets at their zero initialisation: its own
+    pooled keys (`get_pooled_states`) scored by its own queries are the `mean` indexer's pool scores (q . mean k)
+    on the same module's queries and keys; and the module's own top-k selection (one head with a positive weight,
+    every q . k > 0 so that its ReLU is the identity) is the `mean` indexer's."""
+    torch.manual_seed(0)
+    pool, t, hidden_size, d = 4, 29, 16, 8
+    module = ix.build_glm_indexers(hidden_size, 1, pool, 1, d)[0].eval()
+    module.index_topk = 3 * pool  # three pools per query
+    module.index_kpool_always_select_tail = False
+    hidden = torch.randn(1, t, hidden_size)
+    hidden[..., 0] = 1.0  # a constant channel: it sets the head weight and shifts every query
+    with torch.no_grad():
+        module.k_norm.bias.fill_(3.0)  # keys around +3 in every dimension ...
+        module.wq_b.weight[:, 0] += 1.0  # ... and queries around +1: q . k > 0
+        module.weights_proj.weight.zero_()
+        module.weights_proj.weight[0, 0] = 1.0
+        k = module.k_norm(module.wk(hidden))  # (1, T, D)
+        q = module.wq_b(hidden).view(1, t, 1, d).transpose(1, 2)  # (1, 1, T, D)
+        packed = torch.cat([k, torch.zeros_like(k), torch.ones(1, t, 1)], dim=-1)
+        pool_keys, _, _ = module.get_pooled_states(packed_states=packed)  # (1, pools, D)
+        theirs = q[:, 0] @ pool_keys.transpose(-1, -2)  # (1, T, pools)
+        tokens = module(hidden, hidden, torch.ones(1, t, dtype=torch.bool), None)  # (1, T, 3 * pool) token ids
+    pools = -(-t // pool)
+    geometry = _plain(t)
+    spec = sel.parse_selection(f"kpool:pool={pool},top=3,local={pool},sink=0,indexer=mean")
+    mine = ix.MeanKey().pool_scores(module=None, logits=q @ k[:, None].transpose(-1, -2), geometry=geometry,
+                                    spec=spec, pools=pools, kv_heads=1, hidden=None)[0, 0]  # (T, pools)
+    complete = (torch.arange(pools)[None, :] + 1) * pool <= torch.arange(t)[:, None] + 1  # (T, pools)
+    n = theirs.shape[-1]  # the module keeps complete pools only
+    assert n == t // pool and (theirs > 0).all() and int(complete.sum()) > 90
+    assert torch.allclose(mine[:, :n][complete[:, :n]], theirs[0][complete[:, :n]], atol=1e-5)
+    chosen = sel.select_pools(spec, mine[None, None], complete, geometry.query_pos)[0, 0]  # (T, pools)
+    for s in range(3 * pool, t):  # queries with at least the three complete pools they select
+        assert set(chosen[s].nonzero().flatten().tolist()) == {int(x) // pool for x in tokens[0, s] if x >= 0}, s

@@ -9,8 +9,9 @@ model (phasekv.adapters.indexers), with the model frozen:
      the training text is generic, none of the audit's prompt formats, and nothing to download;
   2. features: one dense forward per sequence keeps each layer's input hidden states and its attention mass per
      pool of `pool` tokens (heads summed), the target p_t;
-  3. training: the sum over layers of mean_t KL(p_t || softmax(I_t)) over each query's complete pools
-     (`phasekv.indexer.kl_to_attention`), AdamW, on the cached features (the model never runs again);
+  3. training: the sum over layers of mean_t KL(p_t || softmax(I_t)) over the pools selection chooses among
+     (complete, not in the local tail or the sink; `phasekv.indexer.kl_to_attention`), AdamW, on the cached
+     features (the model never runs again);
   4. held-out: the KL and the top-K recall of the oracle's pools (K at a quarter of each context) on sequences
      never trained on, before and after training.
 
@@ -140,8 +141,11 @@ def cached_features(model, sequences: list[list[int]], pool: int, path: Path,
 # ----------------------------------------------------------------------------- 3. training and 4. held-out
 
 
-def distillation_loss(indexers, batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Sum over layers of the mean KL of the batch's queries (complete pools are the candidates)."""
+def distillation_loss(indexers, batch: list[dict[str, torch.Tensor]], cfg: IndexerTraining) -> torch.Tensor:
+    """Sum over layers of the mean KL of the batch's queries over the pools selection chooses among: complete,
+    not wholly in the local tail or the sink (`candidate_pools` of `cfg`'s selection).  The local tail and the
+    sink are attended anyway; left in, they hold a quarter of a query's dense mass on the prose (SmolLM2) and the
+    KL spent itself on ranking them instead of the pools selection must choose."""
     from phasekv.archs.glm5_next import pool_scores
 
     hidden = torch.stack([f["hidden"] for f in batch]).float()  # (B, L, T, hidden)
@@ -149,17 +153,23 @@ def distillation_loss(indexers, batch: list[dict[str, torch.Tensor]]) -> torch.T
     mask = torch.ones(hidden.shape[0], hidden.shape[2], dtype=torch.bool)
     total = hidden.new_zeros(())
     for layer, indexer in enumerate(indexers):
-        scores, candidates, _ = pool_scores(indexer, hidden[:, layer], hidden[:, layer], mask)
-        total = total + kl_to_attention(scores, candidates, mass[:, layer, :, :scores.shape[-1]])
+        scores, complete, _ = pool_scores(indexer, hidden[:, layer], hidden[:, layer], mask)
+        chosen = complete & candidate_pools(_selection(cfg), _plain_geometry(hidden.shape[2]), scores.shape[-1])
+        total = total + kl_to_attention(scores, chosen, mass[:, layer, :, :scores.shape[-1]])
     return total
+
+
+def _selection(cfg: IndexerTraining) -> SelectionSpec:
+    """The selection the indexer is trained for and measured under (K at cfg.recall_budget)."""
+    return SelectionSpec(pool=cfg.pool, budget=cfg.recall_budget, local=max(cfg.local, cfg.pool), sink=cfg.sink)
 
 
 @torch.no_grad()
 def held_out(indexers, feats: list[dict[str, torch.Tensor]], cfg: IndexerTraining) -> dict[str, float]:
     """KL and top-K recall of the oracle's selection (K at cfg.recall_budget), averaged over layers and queries
     that have more candidates than K (where selection chooses)."""
-    spec = SelectionSpec(pool=cfg.pool, budget=cfg.recall_budget, local=max(cfg.local, cfg.pool), sink=cfg.sink)
-    kl = float(sum(distillation_loss(indexers, [f]) for f in feats)) / len(feats) / len(indexers)
+    spec = _selection(cfg)
+    kl = float(sum(distillation_loss(indexers, [f], cfg) for f in feats)) / len(feats) / len(indexers)
     hits = total = 0.0
     for f in feats:
         t = f["hidden"].shape[1]
@@ -193,7 +203,7 @@ def fit(indexers, train: list[dict[str, torch.Tensor]], cfg: IndexerTraining, pr
     rng = random.Random(cfg.seed)
     curve = []
     for step in tqdm(range(cfg.steps), desc="train-indexer", unit="step", disable=not progress):
-        loss = distillation_loss(indexers, rng.sample(train, min(cfg.batch, len(train))))
+        loss = distillation_loss(indexers, rng.sample(train, min(cfg.batch, len(train))), cfg)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

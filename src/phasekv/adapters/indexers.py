@@ -49,6 +49,43 @@ def pool_reduce(values: torch.Tensor, key_pool: torch.Tensor, pools: int, visibl
     return torch.where(count > 0, total / count.clamp(min=1), float("-inf"))
 
 
+def pool_reduce_fast(values: torch.Tensor, visible: torch.Tensor | None, pool: int, pools: int,
+                     how: str) -> torch.Tensor:
+    """`pool_reduce` for keys at positions 0 .. Tk - 1 in order (pool j holds keys jP .. jP + P - 1): the complete
+    pools by a reshape of the last dimension, the trailing partial pool apart, instead of a scatter; `visible`
+    (broadcastable to values) is counted at its own, smaller, shape.  `visible` None ('sum' and 'max' only): the
+    caller's values are already 0 (or -inf for 'max') wherever the query does not see the key."""
+    if visible is None and how == "mean":
+        raise ValueError("pool_reduce_fast: 'mean' counts the visible keys; give `visible`")
+    tk = values.shape[-1]
+    full = min(pools, tk // pool)  # pools wholly inside the keys
+    partial = full < pools and tk > full * pool  # a trailing pool the keys fill in part
+    fill = float("-inf") if how == "max" else 0.0
+
+    def reduce(x: torch.Tensor, empty: float) -> torch.Tensor:  # (..., Tk) -> (..., pools)
+        parts = [x[..., :full * pool].unflatten(-1, (full, pool))]
+        parts = [parts[0].amax(-1) if how == "max" else parts[0].sum(-1)]
+        if partial:
+            tail = x[..., full * pool:]
+            parts.append((tail.amax(-1) if how == "max" else tail.sum(-1)).unsqueeze(-1))
+        parts.append(x.new_full((*x.shape[:-1], pools - full - partial), empty))  # pools with no key at all
+        return torch.cat(parts, -1)
+
+    out = reduce(values.float() if visible is None else values.float().masked_fill(~visible, fill), fill)
+    if how != "mean":
+        return out
+    count = reduce(visible.float(), 0.0)  # at the mask's own shape
+    return torch.where(count > 0, out / count.clamp(min=1), float("-inf"))
+
+
+def pooled(values: torch.Tensor, geometry: Any, pool: int, pools: int, how: str) -> torch.Tensor:
+    """values (B, H, Tq, Tk) reduced per pool of the call's keys: the reshape when the keys sit at 0 .. Tk - 1,
+    the scatter otherwise (keys over a cache with packed queries)."""
+    if geometry.contiguous:
+        return pool_reduce_fast(values, geometry.visible, pool, pools, how)
+    return pool_reduce(values, geometry.key_pool(pool), pools, geometry.visible, how)
+
+
 def group_heads(scores: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, H, Tq, P) -> (B, G, Tq, P): summed over all heads (G = 1) or within each of `groups` KV groups."""
     b, h, tq, p = scores.shape
@@ -77,7 +114,10 @@ class Oracle(Indexer):
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
         probs = logits.float().masked_fill(~geometry.visible, float("-inf")).softmax(-1)  # dense attention
-        mass = pool_reduce(probs, geometry.key_pool(spec.pool), pools, geometry.visible, "sum")
+        if geometry.contiguous:  # probs are 0 wherever the query does not see the key: nothing to mask again
+            mass = pool_reduce_fast(probs, None, spec.pool, pools, "sum")
+        else:
+            mass = pooled(probs, geometry, spec.pool, pools, "sum")
         return group_heads(mass, _groups(spec, kv_heads))
 
 
@@ -85,7 +125,7 @@ class MeanKey(Indexer):
     name = "mean"
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
-        return group_heads(pool_reduce(logits, geometry.key_pool(spec.pool), pools, geometry.visible, "mean"),
+        return group_heads(pooled(logits, geometry, spec.pool, pools, "mean"),
                            _groups(spec, kv_heads))
 
 
@@ -93,7 +133,7 @@ class MaxKey(Indexer):
     name = "max"
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
-        return group_heads(pool_reduce(logits, geometry.key_pool(spec.pool), pools, geometry.visible, "max"),
+        return group_heads(pooled(logits, geometry, spec.pool, pools, "max"),
                            _groups(spec, kv_heads))
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -141,6 +142,11 @@ class Geometry:
     def key_pool(self, pool: int) -> torch.Tensor:
         return self.key_pos // pool  # (Tk,)
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether the keys sit at positions 0 .. Tk - 1 in order (a whole forward): pools are then slices."""
+        return torch.equal(self.key_pos, torch.arange(len(self.key_pos), device=self.key_pos.device))
+
 
 def call_geometry(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None) -> Geometry:
@@ -186,7 +192,11 @@ def selection_mask(spec: SelectionSpec, geometry: Geometry, selected: torch.Tens
     """(B, G, Tq, Tk) bool: the keys each query attends: visible and (sink, local or in a selected pool)."""
     t, s = geometry.query_pos[:, None], geometry.key_pos[None, :]
     fixed = (s < spec.sink) | (t - s < spec.local)  # (Tq, Tk)
-    pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))  # (B, G, Tq, Tk)
+    tk = len(geometry.key_pos)
+    if geometry.contiguous:  # pool j is keys jP .. jP + P - 1: repeat each pool's flag P times
+        pooled = selected.repeat_interleave(spec.pool, dim=-1)[..., :tk]  # (B, G, Tq, Tk)
+    else:
+        pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))
     return geometry.visible & (fixed | pooled)
 
 
@@ -212,14 +222,14 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         attention_mask: torch.Tensor | None, *, scaling: float | None = None, dropout: float = 0.0,
                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
-    -> ((B, Tq, H, D) output, (B, H, Tq, Tk) probabilities) under the module's selection."""
+    -> ((B, Tq, H, D) output, None: the probabilities are never materialised) under the module's selection."""
     state = _ACTIVE[id(module)]
     spec = state.spec
     heads, kv_heads = query.shape[1], key.shape[1]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
     k, v = _expand_kv(key, heads // kv_heads), _expand_kv(value, heads // kv_heads)
-    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling  # (B, H, Tq, Tk)
+    logits = torch.matmul(query * scaling, k.transpose(-1, -2))  # (B, H, Tq, Tk); scaled on the smaller side
     pools = int(geometry.key_pos.max()) // spec.pool + 1
     scores = state.indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
                                        kv_heads=kv_heads, hidden=state.hidden.get(id(module)))  # (B, G, Tq, P)
@@ -227,12 +237,15 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     allowed = selection_mask(spec, geometry, selected)  # (B, G, Tq, Tk)
     if allowed.shape[1] not in (1, heads):
         allowed = allowed.repeat_interleave(heads // allowed.shape[1], dim=1)
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)  # the local tail keeps every row non-empty
     if state.record:  # the last query's selection (B, G, pools) and attention (B, H, Tk)
-        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": probs[:, :, -1].detach(),
+        last = logits[:, :, -1].masked_fill(~allowed[:, :, -1], float("-inf")).softmax(-1)
+        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": last.detach(),
                                "key_pos": geometry.key_pos, "query_pos": geometry.query_pos[-1]})
-    out = torch.matmul(probs.to(v.dtype), v)  # (B, H, Tq, D)
-    return out.transpose(1, 2).contiguous(), probs
+    del logits  # the fused attention below recomputes the scores; the (B, H, Tq, Tk) logits go now
+    # torch's fused attention with the selection as a boolean mask (True = attend); the local tail keeps every
+    # row non-empty
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (B, H, Tq, D)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def reference_attention(spec: SelectionSpec, indexer: Any, module: nn.Module, query: torch.Tensor,
@@ -335,13 +348,15 @@ def attended_fraction(spec: SelectionSpec, length: int) -> float:
 
 
 class SelectionAdapter(Wrapped):
-    """An HFAdapter evaluated under pooled selection: every prompt is one full forward (selection acts at every
-    position of the prefill, as in the real models), so `prefill` keeps the context ids and `continue_from` runs
-    context + query whole; `runner.predict` works unchanged.  `attended` is the share of the context the
-    answering query attends (sink + local tail + K pools) at the last checked prompt length; `extras` adds it and
-    the selection mechanism per phase (`selection_mechanism`) to the audit's summary."""
-
-    shares_cache = False
+    """An HFAdapter evaluated under pooled selection, which acts at every position of the prefill as in the real
+    models.  An indexer that reads only the attention call's own queries and keys (oracle, mean, max) runs the
+    runner's split path: the context is prefilled once under selection and each query continues from a copy of
+    its cache under selection (selection is causal, so this is the whole prompt's forward; the cache holds the
+    keys the indexer scores).  A distilled indexer scores the prompt's hidden states, which a cache does not
+    hold, so there `prefill` keeps the context ids and `continue_from` runs context + query whole.  `attended`
+    is the share of the context the answering query attends (sink + local tail + K pools) at the last checked
+    prompt length; `extras` adds it and the selection mechanism per phase (`selection_mechanism`) to the audit's
+    summary."""
 
     def __init__(self, inner, spec: SelectionSpec):
         from phasekv.adapters.indexers import make_indexer
@@ -349,8 +364,9 @@ class SelectionAdapter(Wrapped):
         i = inner.info
         super().__init__(inner, ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads,
                                           i.num_kv_heads, i.head_dim, i.max_length, spec.pool, spec.local))
-        self.shares_cache = False
         self.spec, self.indexer = spec, make_indexer(spec.indexer)
+        self.cached = not self.indexer.needs_hidden  # whether selection runs over the inner adapter's cache
+        self.shares_cache = inner.shares_cache and self.cached
         self.attended: float | None = None
 
     def check_length(self, length: int) -> None:
@@ -386,10 +402,16 @@ class SelectionAdapter(Wrapped):
         return self._forward(ids, 1)
 
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
-        return ids, ids.shape[1]
+        if not self.cached:
+            return ids, ids.shape[1]
+        with selecting(self.module, self.spec, self.indexer):
+            return self.inner.prefill(ids)
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions."""
+        if self.cached:
+            with selecting(self.module, self.spec, self.indexer):
+                return self.inner.continue_by_copies(cache, ids, repeats)
         contexts, _ = cache
         whole = torch.cat([contexts.repeat_interleave(repeats, 0), ids.to(contexts.device)], dim=1)
         return self._forward(whole, ids.shape[1])
