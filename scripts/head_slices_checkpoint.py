@@ -76,8 +76,16 @@ def main() -> None:
     results: dict = {c: {} for c in args.conditions}
     sets = {}
     for protocol in args.protocols:
-        adapter, eval_set = open_source(source, eval_config(source, {"protocol": protocol, "clusters": args.clusters,
-                                                                     "threads": 1}))
+        clusters = args.clusters
+        while True:  # the fewest clusters >= --clusters the protocol's record pitch allows (in-sequence: 3 here)
+            try:
+                adapter, eval_set = open_source(source, eval_config(source, {"protocol": protocol, "threads": 1,
+                                                                             "clusters": clusters}))
+                break
+            except ValueError as exc:
+                if "n_clusters" not in str(exc):
+                    raise
+                clusters += 1
         sets[protocol] = eval_set
         for condition in args.conditions:
             cond = _condition(adapter, condition)
