@@ -3,7 +3,7 @@ interval and the verdict, and, for the fixed slicings, accuracy by the group (KV
 and the record's key (read from each condition's predictions.jsonl).  Writes a small JSON for docs/summaries and
 prints markdown.
 
-    python scripts/head_tables.py AUDIT_DIR OUT.json [--groups 3]
+    python scripts/head_tables.py AUDIT_DIR OUT.json [--groups 3] [--knockout KNOCKOUT.json --knockout-layer 1]
 """
 
 from __future__ import annotations
@@ -93,12 +93,55 @@ def markdown(data: dict) -> list[str]:
     return lines
 
 
+def fixes_markdown(data: dict) -> list[str]:
+    """The fixes table: per condition its cache share (bytes of the last prefilled batch), and per padding
+    protocol the gap with its interval, the mean and the verdict."""
+    lines = ["| condition | cache share % | prefix gap pp [95%] | in-seq. gap pp [95%] | prefix mean % | "
+             "in-seq. mean % | prefix verdict | in-seq. verdict |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in data["conditions"].items():
+        size = row.get("cache_bytes") or {}
+        share = pct(size["compressed"] / size["full"]) if size.get("full") else "100"
+        cells = []
+        for key in ("gap", "mean", "verdict"):
+            for protocol in ("prefix", "insequence"):
+                m = row[protocol]
+                if key == "gap":
+                    ci = m["gap_ci_pp"] or [None, None]
+                    cells.append(f"{m['max_gap_pp']:.1f}" + ("" if ci[0] is None else f" [{ci[0]:.1f}, {ci[1]:.1f}]"))
+                elif key == "mean":
+                    cells.append(pct(m["mean_accuracy"]))
+                else:
+                    cells.append(m["verdict"].split(": ")[0].split(" (")[0])
+        lines.append(f"| `{name}` | {share} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def knockout_markdown(runs: list[dict], layer: int) -> list[str]:
+    """One row per knocked-out head of `layer`: accuracy by the group owning the answer token (knockout.json of
+    scripts/head_slices_checkpoint.py)."""
+    groups = len(runs[0]["clean_by_answer_owner"])
+    lines = ["| condition | knocked out | all % | " + " | ".join(f"phase {g} %" for g in range(groups)) + " |",
+             "|---|---|---|" + "---|" * groups]
+    for run in runs:
+        cells = " | ".join(pct(a) for a in run["clean_by_answer_owner"])
+        lines.append(f"| `{run['condition']}` | nothing | {pct(run['clean'])} | {cells} |")
+        for row in (r for r in run["rows"] if r["layer"] == layer):
+            cells = " | ".join(pct(a) for a in row["by_answer_owner"])
+            lines.append(f"| `{run['condition']}` | L{layer} H{row['head']} | {pct(row['accuracy'])} | {cells} |")
+    return lines
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("audit", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--groups", type=int, default=3, help="head groups of the slicing (SmolLM2-135M: 3 KV heads)")
+    parser.add_argument("--knockout", type=Path, help="also print this knockout.json's table (of --knockout-layer)")
+    parser.add_argument("--knockout-layer", type=int, default=1)
+    parser.add_argument("--fixes", action="store_true", help="print the fixes table instead of the phase table")
     args = parser.parse_args()
+    if args.knockout is not None:
+        print("\n".join(knockout_markdown(json.loads(args.knockout.read_text()), args.knockout_layer)) + "\n")
     data = summarize(args.audit, args.groups)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print("\n".join(markdown(data)))
+    print("\n".join(fixes_markdown(data) if args.fixes else markdown(data)))
