@@ -53,10 +53,14 @@ def summarize(audit: Path, groups: int) -> dict:
                                                     "detected_period", "flatness_p", "verdict", "chance",
                                                     "in_context_chance")}
             row[protocol]["per_phase"] = [round(p["accuracy"], 4) for p in m["per_phase"]]
+            if protocol == "query":
+                continue
+            path = audit / "conditions" / _safe(name) / protocol / "predictions.jsonl"
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+            stride = summary["settings"]["stride"]
+            row[protocol]["by_answer_phase"] = by_owner(records, lambda s: s % stride, "answer_position", stride)
             owner = owner_of(name, groups)
-            if owner is not None and protocol != "query":
-                path = audit / "conditions" / _safe(name) / protocol / "predictions.jsonl"
-                records = [json.loads(line) for line in path.read_text().splitlines()]
+            if owner is not None:
                 row[protocol]["by_answer_owner"] = by_owner(records, owner, "answer_position", groups)
                 row[protocol]["by_key_owner"] = by_owner(records, owner, "target_position", groups)
         rows[name] = row
