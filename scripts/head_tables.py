@@ -44,6 +44,7 @@ def by_owner(records: list[dict], owner, key: str, groups: int) -> list[dict]:
 def summarize(audit: Path, groups: int) -> dict:
     summary = json.loads((audit / "summary.json").read_text())
     rows = {}
+    stride = summary["settings"]["stride"]
     for name, cond in summary["conditions"].items():
         row = {"cache_bytes": cond.get("cache_bytes")}
         for protocol in summary["settings"]["protocols"]:
@@ -57,7 +58,6 @@ def summarize(audit: Path, groups: int) -> dict:
                 continue
             path = audit / "conditions" / _safe(name) / protocol / "predictions.jsonl"
             records = [json.loads(line) for line in path.read_text().splitlines()]
-            stride = summary["settings"]["stride"]
             row[protocol]["by_answer_phase"] = by_owner(records, lambda s: s % stride, "answer_position", stride)
             owner = owner_of(name, groups)
             if owner is not None:
