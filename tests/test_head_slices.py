@@ -212,3 +212,14 @@ def test_bad_fixes_are_refused_in_one_line(text):
         check_conditions((text,), Geometry(8, 8, 16))
     with pytest.raises(ValueError, match="W = S"):
         check_conditions(("stagger:select:3",), Geometry(9, 8, 16))
+
+
+def test_the_grammar_builds_each_condition_and_the_fix_refuses_one_forward_per_prompt():
+    conditions = ("slices:kind=interleaved,group=query", "stagger:select:3+keep-first:1", "jitter:select:0")
+    check_conditions(conditions, Geometry(8, 8, 16))
+    base = _hf()
+    built = [condition_adapter(base, c, Geometry(8, 8, 16)) for c in conditions]
+    assert [type(a).__name__ for a in built] == ["HeadSliceAdapter", "GridFixAdapter", "GridFixAdapter"]
+    assert built[0].groups == base.info.num_heads and built[1].fix.mode == "stagger"
+    with pytest.raises(ValueError, match="prefill"):
+        built[1].logits(_ids())
