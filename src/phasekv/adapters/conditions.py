@@ -6,6 +6,9 @@ A condition is a string (`phasekv audit --compress COND`, `--press NAME` becomes
     select:r, mean, max-norm[+keep-first:n] post-hoc chunk compression of the prefilled cache (`adapters.posthoc`)
     press:NAME[:k=v,...]                    a kvpress press applied during prefill (`adapters.presses`)
     kpool:pool=P,top=K|budget=F,...         query-dependent pooled selection (`adapters.selection`)
+    slices:kind=contiguous|interleaved,...  head-partitioned history (`adapters.head_slices`)
+    stagger:select:r, jitter:select:r       post-hoc select with the grid moved per KV head / request
+                                            (`adapters.grid_fixes`)
 
 `GRAMMAR` maps a condition's name (the text before its first ':' or '+') to a `Condition`: a check, which refuses
 in one line (ValueError) a condition that cannot be evaluated, before any model is loaded, and a factory, which
@@ -76,6 +79,33 @@ def _check_none(text: str, geometry: Geometry) -> None:
         _check_policy(text, geometry)
 
 
+def _fix(text: str, geometry: Geometry):
+    from phasekv.adapters.grid_fixes import parse_fix
+
+    return parse_fix(text, geometry.window, geometry.stride, geometry.local_window)
+
+
+def _fixed(base: Adapter, text: str, geometry: Geometry) -> Adapter:
+    from phasekv.adapters.grid_fixes import GridFixAdapter
+
+    return GridFixAdapter(base, _fix(text, geometry))
+
+
+def _parse_slices(text: str):
+    from phasekv.adapters.head_slices import parse_slices
+
+    return parse_slices(text)
+
+
+def _sliced(base: Adapter, text: str, geometry: Geometry) -> Adapter:
+    from phasekv.adapters.head_slices import HeadSliceAdapter
+
+    return HeadSliceAdapter(base, _parse_slices(text))
+
+
+_MOVED = Condition(_fix, _fixed)  # adapters.grid_fixes
+
+
 _POSTHOC = Condition(_check_policy, _posthoc)
 GRAMMAR: dict[str, Condition] = {
     "none": Condition(_check_none, lambda base, text, geometry: base, served=True),
@@ -85,6 +115,9 @@ GRAMMAR: dict[str, Condition] = {
     "press": Condition(_check_press, _press),
     "kpool": Condition(lambda text, geometry: _parse_selection(text),
                        lambda base, text, geometry: _selection(base, text)),
+    "slices": Condition(lambda text, geometry: _parse_slices(text), _sliced),
+    "stagger": _MOVED,
+    "jitter": _MOVED,
 }
 
 

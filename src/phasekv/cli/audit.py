@@ -38,7 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--compress", nargs="+", default=None, metavar="COND",
                    help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
                         "sink); kpool:pool=P,top=K|budget=F[,local=L,sink=N,heads=shared|kv,indexer=oracle|mean|max|"
-                        "distilled:DIR] (query-dependent pooled selection); default: " + " ".join(HF_CONDITIONS) +
+                        "distilled:DIR] (query-dependent pooled selection); slices:kind=contiguous|interleaved[,size=L,"
+                        "shift=fixed|layer|random,group=kv|query,local=N,sink=N] (head-partitioned history); "
+                        "stagger:select:r, jitter:select:r (post-hoc grid per KV head / per request); "
+                        "default: " + " ".join(HF_CONDITIONS) +
                         "; none only with --endpoint")
     p.add_argument("--press", action="append", default=[], metavar="NAME[:k=v,...]",
                    help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, snapkv, "
