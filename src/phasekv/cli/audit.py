@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.flags import add_endpoint_arguments, endpoint_options
+from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, endpoint_options
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 
@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
     add_endpoint_arguments(p, source)
+    add_launch_arguments(p, source)
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
                                        "extra: make real-model)")
     p.add_argument("--format", default=AUDIT_DEFAULTS["format"],
@@ -82,9 +83,10 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.endpoint is None:
         resolve_device(args.device)
-    load_format(args.format, args.chat)
+    if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
+        load_format(args.format, args.chat)
     check_conditions(conditions, Geometry(args.window, args.stride, args.local_window))
-    if args.endpoint is not None:
+    if args.endpoint is not None or args.launch:
         check_served(conditions)
     padding = sum(p in PROTOCOLS for p in set(getattr(args, "protocol", PROTOCOLS))) or 1  # query: its own count
     check_prompt_count(args.prompts_per_phase * args.stride * padding, "--prompts-per-phase")
@@ -97,9 +99,13 @@ def run(args) -> dict[str, Any]:
     from phasekv.outputs import check_output_dir
     from phasekv.report.audit import run_audit
 
-    conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
+    conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
+    if args.launch:
+        from phasekv.cli.engine_grid import run_launched
+
+        return run_launched(args)
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads:
         import torch
