@@ -3,9 +3,11 @@ engine grid's plumbing (launching, flags, resume, the table) on machines without
 
 The "model" is an induction rule (`induction`): the next token of a prompt is the one that followed the latest
 earlier occurrence of the prompt's longest repeated suffix, which solves the lookup task exactly and copies a whole
-multi-token value in greedy decoding.  MODEL is a JSON file {"n_vocab": V}.  A planted bug: with `-ub` below the
-prompt length, prompts whose length is 3 mod 4 are answered with the next token id (the shape of llama.cpp's
-ubatch reports); `-ub` at least the prompt length is clean.  Routes: /health, /props, /slots, /v1/models,
+multi-token value in greedy decoding.  MODEL is a JSON file {"n_vocab": V}.  Planted bugs, each answering the next
+token id instead: with `-ub` below the prompt length, prompts whose length is 3 mod 4 (the shape of llama.cpp's
+ubatch reports; `-ub` at least the prompt length is clean); with `-fa off`, a prompt whose prefix came from the
+cache with a length of 1 mod 4; with `-ctk q8_0`, a prompt of length 0 mod 4 computed while another request was in
+flight.  Routes: /health, /props, /slots, /v1/models,
 /completion (n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
 previous request when cache_prompt is on).
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -28,11 +32,13 @@ def induction(ids: list[int], longest: int = 8) -> int:
     return ids[-1]
 
 
-def answer(ids: list[int], ubatch: int, vocab: int) -> int:
+def answer(ids: list[int], args, vocab: int, *, cached: int = 0, batched: bool = False) -> int:
+    """The induction token, or the next id where a planted bug applies (module docstring)."""
     token = induction(ids)
-    if ubatch < len(ids) and len(ids) % 4 == 3:
-        return (token + 1) % vocab
-    return token
+    ubatch_bug = args.ub < len(ids) and len(ids) % 4 == 3
+    prefix_bug = args.fa == "off" and cached % 4 == 1
+    batch_bug = args.ctk == "q8_0" and batched and len(ids) % 4 == 0
+    return (token + 1) % vocab if ubatch_bug or prefix_bug or batch_bug else token
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.m) as f:
         vocab = json.load(f)["n_vocab"]
     last: list[int] = []
+    active: list[list[bool]] = []
+    lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, payload, status=200):
@@ -80,17 +88,26 @@ def main(argv: list[str] | None = None) -> None:
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             prompt = list(body["prompt"])
-            shared = 0
-            if body.get("cache_prompt"):
-                while shared < min(len(last), len(prompt)) and last[shared] == prompt[shared]:
-                    shared += 1
-            last[:] = prompt
+            with lock:
+                shared = 0
+                if body.get("cache_prompt"):
+                    while shared < min(len(last), len(prompt)) and last[shared] == prompt[shared]:
+                        shared += 1
+                last[:] = prompt
+                mine = [bool(active)]  # batched: another request was in flight at some point of this one's life
+                for other in active:
+                    other[0] = True
+                active.append(mine)
+            time.sleep(0.05)  # requests sent together overlap here
+            batched = mine[0]
             ids, steps = list(prompt), []
             for _ in range(body.get("n_predict", 1)):
-                token = answer(ids, args.ub, vocab)
+                token = answer(ids, args, vocab, cached=shared if len(ids) == len(prompt) else 0, batched=batched)
                 top = [{"id": token, "logprob": -0.1}, {"id": (token + 2) % vocab, "logprob": -2.5}]
                 steps.append({"id": token, "logprob": -0.1, "top_logprobs": top[:max(1, body.get("n_probs", 1))]})
                 ids.append(token)
+            with lock:
+                active[:] = [a for a in active if a is not mine]
             self._send({"model": args.m, "tokens_evaluated": len(prompt), "timings": {"cache_n": shared},
                         "completion_probabilities": steps, "tokens": [s["id"] for s in steps]})
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from phasekv.adapters.base import ModelInfo
 from phasekv.adapters.launchers import LAUNCHERS, launcher, parse_grid, point_name
@@ -28,6 +29,14 @@ class Induction(PromptAdapter):
 
     def answer(self, prompt):
         return induction(prompt)
+
+    def logits(self, ids):
+        """Every position's next token (teacher forcing reads them all), not only the last one's."""
+        out = torch.zeros(ids.shape[0], ids.shape[1], self.info.vocab_size)  # (B, T, V)
+        for b, row in enumerate(ids.tolist()):
+            for t in range(len(row)):
+                out[b, t, induction(row[:t + 1])] = 1.0
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +95,19 @@ def _grid(tmp_path, tokenizer, points):
     return EngineGrid(LLAMA, binary, model, tuple(points), context=2048, startup_s=60)
 
 
-def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(tmp_path, tokenizer):
+def ubatch_grid(tmp_path, tokenizer, per_phase, checks=None):
+    """(the query prompt set, the summary of a grid of ubatch = half and four times its prompt length)."""
     cfg = audit_config(**CFG)
-    sets = grid_sets(tokenizer, cfg, ("query",), 8)
+    sets = grid_sets(tokenizer, cfg, ("query",), per_phase)
     length = sets["query"].prompt_length
     grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, [f"ubatch={length // 2},{4 * length}"]))
-    summary = run_grid(grid, tokenizer, cfg, tmp_path / "out", protocols=("query",), per_phase=8,
-                       reference=Induction(len(tokenizer)), progress=False)
+    return sets, run_grid(grid, tokenizer, cfg, tmp_path / "out", protocols=("query",), per_phase=per_phase,
+                          reference=Induction(len(tokenizer)), checks=checks, progress=False)
+
+
+def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(tmp_path, tokenizer):
+    sets, summary = ubatch_grid(tmp_path, tokenizer, 8)
+    length = sets["query"].prompt_length
     small, large = summary["points"]
     assert small["settings"] == {"ubatch": str(length // 2)}
     bad = {g["query_phase"]: g["agreement"] for g in small["comparison"]["query"]["per_query_phase"]}
@@ -199,3 +214,39 @@ def test_an_audit_of_a_server_the_user_started_records_its_settings(tmp_path, to
     report = json.loads((tmp_path / "a" / "summary.json").read_text())["engine_report"]
     assert report == summary["engine_report"] and report["props"]["model_path"] == str(model)
     assert report["props"]["default_generation_settings"]["n_ctx"] == 1024 and report["slots"][0]["id"] == 0
+
+
+def test_decode_steps_find_the_planted_bug_at_its_position_mod_4_and_only_below_the_prompt_length(tmp_path, tokenizer):
+    from phasekv.evaluate.decode import decode_check
+
+    sets, summary = ubatch_grid(tmp_path, tokenizer, 4, {"decode": decode_check(5)})
+    small, large = (p["decode"] for p in summary["points"])
+    # a step is predicted at position p = length - 1 + j; the bug hits inputs of length 3 mod 4: p = 2 mod 4
+    assert {g["phase"]: g["agreement"] for g in small["per_phase"]} == {0: 1, 1: 1, 2: 0, 3: 1}
+    assert [g["phase"] for g in small["first_disagreement"]["per_phase"]] == [2]
+    assert small["first_disagreement"]["prompts"] == small["n_prompts"] and small["tokens_generated"] == 5 * small[
+        "n_prompts"]
+    assert all(c["agreement"] == (0 if c["phase"] == 2 else 1) for c in small["cells"])
+    assert large["overall"]["agreement"] == 1 and large["first_disagreement"]["prompts"] == 0
+    value_tokens = sets["query"].settings["value_tokens"]
+    assert [s["engine_accuracy"] for s in large["per_step"]] == [1.0] * value_tokens + [None] * (5 - value_tokens)
+    assert "decode_agreement" in summary["rows"][0] and (tmp_path / "out" / "figures" / "decode.png").is_file()
+
+
+def test_prefix_cache_and_batch_paths_find_their_planted_bugs_per_residue(tmp_path, tokenizer):
+    from phasekv.evaluate.engine_paths import cached_length, paths_check
+
+    assert [cached_length(20, r, 4) for r in range(4)] == [16, 17, 18, 15]
+    cfg = audit_config(**CFG)
+    grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=4096", "flash_attn=on,off", "cache_type_k=f16,q8_0"]))
+    grid = EngineGrid(grid.engine, grid.binary, grid.model, grid.points, context=2048 * 4, slots=4, startup_s=60)
+    summary = run_grid(grid, tokenizer, cfg, tmp_path / "out", protocols=("query",), per_phase=4, progress=False,
+                       checks={"prefix": paths_check("prefix"), "batch": paths_check("batch", 4)})
+    for p in summary["points"]:
+        prefix = {g["residue"]: g["agreement"] for g in p["prefix"]["per_residue"]}
+        assert prefix == {r: 0 if (r == 1 and p["settings"]["flash_attn"] == "off") else 1 for r in range(4)}
+        assert p["prefix"]["cache_served_prefix"] == 1
+        batch = {g["query_phase"]: g["agreement"] for g in p["batch"]["per_query_phase"]}
+        # length 0 mod 4 = query position 3 mod 4
+        assert batch == {q: 0 if (q == 3 and p["settings"]["cache_type_k"] == "q8_0") else 1 for q in range(4)}
+        assert p["batch"]["distinct_lengths_per_batch"] > 1

@@ -29,9 +29,28 @@ def grid_of(args):
         raise ValueError(f"--engine-model {model}: no such file")
     if args.tokenizer is None:
         raise ValueError("--launch: needs --tokenizer DIR (the served model's tokenizer)")
-    if args.engine_context < 1:
-        raise ValueError(f"--engine-context: must be >= 1, got {args.engine_context}")
-    return EngineGrid(engine, binary, model, tuple(points), context=args.engine_context, timeout=args.timeout)
+    for name in ("engine_context", "decode_steps", "batch_width"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.check_prompts < 0:
+        raise ValueError(f"--check-prompts: must be >= 0, got {args.check_prompts}")
+    if "decode" in args.engine_checks and args.reference_hf is None:
+        raise ValueError("--engine-checks decode: compares with the reference: needs --reference-hf")
+    slots = args.batch_width if "batch" in args.engine_checks else 1
+    return EngineGrid(engine, binary, model, tuple(points), context=args.engine_context * slots, slots=slots,
+                      timeout=args.timeout)
+
+
+def checks_of(args) -> dict:
+    """The per-point checks --engine-checks names, in the order of the grid's table."""
+    from phasekv.evaluate.decode import decode_check
+    from phasekv.evaluate.engine_paths import paths_check
+
+    limit = args.check_prompts or None
+    made = {"decode": lambda: decode_check(args.decode_steps, limit),
+            "prefix": lambda: paths_check("prefix", limit=limit),
+            "batch": lambda: paths_check("batch", args.batch_width, limit)}
+    return {name: made[name]() for name in ("decode", "prefix", "batch") if name in args.engine_checks}
 
 
 def run_launched(args) -> dict[str, Any]:
@@ -55,8 +74,8 @@ def run_launched(args) -> dict[str, Any]:
     if args.reference_hf is not None:
         reference, _ = load_hf(args.reference_hf, args.device, args.dtype, gguf_file=args.gguf_file)
     summary = run_grid(grid, tokenizer, cfg, args.out, protocols=tuple(dict.fromkeys(args.protocol)),
-                       per_phase=args.prompts_per_phase, reference=reference, force=args.force, resume=args.resume,
-                       progress=not args.no_progress)
+                       per_phase=args.prompts_per_phase, reference=reference, checks=checks_of(args), force=args.force,
+                       resume=args.resume, progress=not args.no_progress)
     for row in summary["rows"]:
         if "failed" in row:
             print(f"{row['point']:>40}  {row['protocol']}: failed: {row['failed']}")
@@ -66,5 +85,8 @@ def run_launched(args) -> dict[str, Any]:
             line += f"; query phase: {row['query_verdict']}"
         if "agree" in row:
             line += f"; {row['agree']}/{row['n']} greedy tokens agree with the reference"
+        for check in ("decode", "prefix", "batch"):
+            if f"{check}_agreement" in row:
+                line += f"; {check}: {100 * row[f'{check}_agreement']:.1f}% of {row[f'{check}_n']} agree"
         print(line)
     return summary

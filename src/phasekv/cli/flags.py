@@ -57,7 +57,17 @@ def add_launch_arguments(p, source) -> None:
     p.add_argument("--engine-grid", nargs="+", default=[], metavar="KEY=V1,V2",
                    help="--launch: engine settings to vary, every combination one point (llama-server: ubatch, "
                         "batch, cache_type_k, cache_type_v, flash_attn, threads), e.g. ubatch=16,64 flash_attn=on,off")
-    p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens")
+    p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens "
+                                                                    "(per slot)")
+    p.add_argument("--engine-checks", nargs="+", default=[], choices=("decode", "prefix", "batch"), metavar="CHECK",
+                   help="--launch: per point, also decode (greedy multi-token answers vs the teacher-forced "
+                        "reference), prefix (answers served from the prefix cache vs cold), batch (batched with "
+                        "neighbours of other lengths vs alone)")
+    p.add_argument("--decode-steps", type=int, default=6, help="--engine-checks decode: tokens generated per prompt")
+    p.add_argument("--batch-width", type=int, default=4, help="--engine-checks batch: requests batched together "
+                                                              "(the server gets as many slots)")
+    p.add_argument("--check-prompts", type=int, default=0, help="--engine-checks: prompts per check (0: all of the "
+                                                                "query protocol's, else the first protocol's)")
 
 
 def endpoint_options(args):

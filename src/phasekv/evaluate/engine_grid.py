@@ -48,6 +48,10 @@ from phasekv.outputs import check_output_dir, output_dir, write_json
 log = logging.getLogger(__name__)
 
 NO_FORMAT = "none"  # --format none: the tokenizer's own single-token words (a closed word-level vocabulary)
+CHECKS = ("decode", "prefix", "batch")  # the per-point checks, by name (their residue coordinate below)
+CHECK_RESIDUES = {"decode": ("per_phase", "phase", "decode steps: agreement [%] by position mod S of the step"),
+                  "prefix": ("per_residue", "residue", "prefix cache vs cold: agreement [%] by cached length mod S"),
+                  "batch": ("per_query_phase", "query_phase", "batched vs alone: agreement [%] by query phase")}
 POINT_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "detected_period", "flatness_p", "per_phase", "chance",
               "in_context_chance", "can_do_task", "phase_sensitive", "verdict_parts", "verdict", "prompt_length",
               "n_prompts")
@@ -215,6 +219,11 @@ def grid_rows(points: list[dict[str, Any]], protocols: Sequence[str]) -> list[di
                             "agreement_ci": [o["ci_low"], o["ci_high"]],
                             "min_phase_agreement": min(g["agreement"] for g in comparison["per_phase"]),
                             "min_query_phase_agreement": min(g["agreement"] for g in comparison["per_query_phase"])})
+            for check in CHECKS:
+                result = p.get(check)
+                if isinstance(result, dict) and result.get("protocol") == protocol and "overall" in result:
+                    row[f"{check}_agreement"] = result["overall"]["agreement"]
+                    row[f"{check}_n"] = result["overall"]["n"]
             rows.append(row)
     return rows
 
@@ -225,11 +234,13 @@ def _pct(x: float | None) -> str:
 
 def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
     """grid.md: the table of `grid_rows`, one line per point and protocol."""
+    checks = [c for c in CHECKS if any(f"{c}_agreement" in r for r in rows)]
     lines = ["| point | protocol | accuracy % [95%] | verdict | query-phase verdict | agreement [95%] | "
-             "worst source / query phase agreement % |", "|---|---|---|---|---|---|---|"]
+             "worst source / query phase agreement % |" + "".join(f" {c} agreement % |" for c in checks),
+             "|---|---|---|---|---|---|---|" + "---|" * len(checks)]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['point']} | {r['protocol']} | failed: {r['failed']} | | | | |")
+            lines.append(f"| {r['point']} | {r['protocol']} | failed: {r['failed']} | | | | |" + " |" * len(checks))
             continue
         verdict = r["verdict"] + (f", period {r['period']}" if r["verdict"] == "phase sensitive" else "")
         query = "-" if "query_verdict" not in r else r["query_verdict"] + (
@@ -239,7 +250,8 @@ def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
         worst = "-" if "agree" not in r else (f"{_pct(r['min_phase_agreement'])} / "
                                               f"{_pct(r['min_query_phase_agreement'])}")
         lines.append(f"| {r['point']} | {r['protocol']} | {_pct(r['accuracy'])} [{_pct(r['accuracy_ci'][0])}, "
-                     f"{_pct(r['accuracy_ci'][1])}] | {verdict} | {query} | {agreement} | {worst} |")
+                     f"{_pct(r['accuracy_ci'][1])}] | {verdict} | {query} | {agreement} | {worst} |"
+                     + "".join(f" {_pct(r.get(f'{c}_agreement'))} of {r.get(f'{c}_n', 0)} |" for c in checks))
     return "\n".join(lines) + "\n"
 
 
@@ -263,4 +275,10 @@ def write_figures(points: list[dict[str, Any]], protocols: Sequence[str], stride
                 paths.append(plot_setting_residue(rows, where / f"agreement_{key}_{protocol}.png", stride=stride,
                                                   value="value", title=f"engine vs reference agreement [%] by "
                                                                        f"{label}, {protocol}"))
+    for check, (group, key, title) in CHECK_RESIDUES.items():
+        rows = [{"setting": p["name"], "cells": [{"residue": g[key], "value": g["agreement"], "n": g["n"]}
+                                                 for g in p[check][group]]}
+                for p in done if group in p.get(check, {})]
+        if rows:
+            paths.append(plot_setting_residue(rows, where / f"{check}.png", stride=stride, value="value", title=title))
     return paths
