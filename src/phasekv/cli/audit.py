@@ -57,6 +57,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--expect", metavar="FILE", help="--endpoint/--launch: a regression gate: exit status 3, one line "
+                                                    "per violated expectation (verdict classes, agreement lower "
+                                                    "bounds, per-phase accuracy intervals)")
+    p.add_argument("--write-expect", metavar="FILE", help="--endpoint/--launch: write the expectations of this "
+                                                          "(trusted) run, for --expect")
     p.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition runs)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     p.add_argument("--no-progress", action="store_true")
@@ -102,10 +107,11 @@ def run(args) -> dict[str, Any]:
     conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
+    expected = check_gate_flags(args)
     if args.launch:
         from phasekv.cli.engine_grid import run_launched
 
-        return run_launched(args)
+        return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads:
         import torch
@@ -138,4 +144,33 @@ def run(args) -> dict[str, Any]:
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
               f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
+    return gate(args, expected, summary)
+
+
+def check_gate_flags(args) -> dict[str, Any] | None:
+    """--expect's file, read and checked before anything runs (None without it); --write-expect's directory."""
+    from phasekv.evaluate.expect import load_expectations
+
+    if (args.expect or args.write_expect) and not (args.endpoint or args.launch):
+        raise ValueError("--expect/--write-expect: gate a served model: need --endpoint or --launch")
+    if args.write_expect:
+        target = Path(args.write_expect)
+        if target.is_dir() or not target.absolute().parent.is_dir():
+            raise ValueError(f"--write-expect {target}: must be a file in an existing directory")
+    return load_expectations(args.expect) if args.expect else None
+
+
+def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write this run's expectations (--write-expect), then hold it to the given ones (--expect: GateFailed)."""
+    from phasekv.cli import GateFailed
+    from phasekv.evaluate.expect import check_expectations, write_expectations
+    from phasekv.outputs import write_json
+
+    if args.write_expect:
+        write_json(Path(args.write_expect), write_expectations(summary), atomic=True)
+    if expected is not None:
+        lines = check_expectations(expected, summary)
+        if lines:
+            raise GateFailed(lines)
+        print(f"expectations of {args.expect}: all hold")
     return summary
