@@ -69,6 +69,21 @@ def test_grid_flags_map_to_llama_server_flags_and_every_combination_is_a_point()
     threads = LLAMA.command(Path("b"), Path("m"), 9, {"threads": "2"}, context=512, slots=1)
     assert threads.count("-t") == 1 and threads[threads.index("-t") + 1] == "2"
     assert parse_grid(LLAMA, []) == [{}] and point_name({}) == "default"
+    both = LLAMA.command(Path("b"), Path("m"), 9, {"cache_type": "q8_0"}, context=512, slots=1)
+    assert both[both.index("-ctk") + 1] == both[both.index("-ctv") + 1] == "q8_0"
+
+
+def test_a_server_that_dies_is_reported_by_its_first_error_line_and_its_last_lines(tmp_path):
+    from phasekv.adapters.launch import EngineDied, launched
+
+    script = tmp_path / "dies"
+    script.write_text("#!/bin/sh\necho 'I loading'\necho '0.05 E no K/V mix: the cause'\nfor i in 1 2 3 4; do echo \"I "
+                      "line $i\"; done\nexit 1\n")
+    script.chmod(0o755)
+    with pytest.raises(EngineDied) as died, launched([str(script)], "http://127.0.0.1:9", name="dies", startup_s=30):
+        pass
+    assert str(died.value) == ("dies exited with status 1 before it served: 0.05 E no K/V mix: the cause | I line 2 | "
+                               "I line 3 | I line 4")
 
 
 @pytest.mark.parametrize("items, message", [
@@ -136,7 +151,7 @@ def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokeniz
     cfg = audit_config(**CFG)
     grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=8,4096", "flash_attn=on,off"]))
     calls = []
-    real = engine_grid._measure
+    real = engine_grid.measure
 
     def dies_at_the_third(adapter, *args, **kwargs):
         calls.append(adapter.conn.url)
@@ -144,7 +159,7 @@ def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokeniz
             raise KeyboardInterrupt
         return real(adapter, *args, **kwargs)
 
-    monkeypatch.setattr(engine_grid, "_measure", dies_at_the_third)
+    monkeypatch.setattr(engine_grid, "measure", dies_at_the_third)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=4, progress=False)

@@ -6,7 +6,8 @@ its health route is, and what the running server reports about its own settings.
 is one more `Launcher` in `LAUNCHERS`:
 
     llama-server   -m MODEL --host 127.0.0.1 --port P -c CONTEXT -np SLOTS --no-webui, then one flag per setting:
-                   ubatch -ub, batch -b, cache_type_k -ctk, cache_type_v -ctv, flash_attn -fa, threads -t
+                   ubatch -ub, batch -b, cache_type_k -ctk, cache_type_v -ctv, cache_type -ctk and -ctv,
+                   flash_attn -fa, threads -t
                    (and -t 1 when threads is not a grid key: phasekv's runs share the CPU cores)
 
 A setting's values are checked before any server starts (`check_settings`: the allowed values or an integer range),
@@ -31,9 +32,10 @@ from phasekv.adapters.launch import free_port, launched
 
 @dataclass(frozen=True)
 class Setting:
-    """One engine setting of a grid: its flag and what it may be (`choices`, or an integer of at least `low`)."""
+    """One engine setting of a grid: its flags (each gets the value) and what it may be (`choices`, or an integer of
+    at least `low`)."""
 
-    flag: str
+    flags: tuple[str, ...]
     choices: tuple[str, ...] = ()
     low: int | None = None
 
@@ -63,7 +65,7 @@ class Launcher:
     def command(self, binary: Path, model: Path, port: int, settings: dict[str, str], *, context: int,
                 slots: int) -> list[str]:
         flags = [part for key, value in {**self.defaults, **settings}.items()
-                 for part in (self.settings[key].flag, value)]
+                 for flag in self.settings[key].flags for part in (flag, value)]
         return self.build(binary, model, port, context=context, slots=slots, flags=flags)
 
 
@@ -92,9 +94,11 @@ def llama_cpp_report(conn: Connection) -> dict[str, Any]:
 LAUNCHERS: dict[str, Launcher] = {
     "llama-server": Launcher(
         name="llama-server", binary="llama-server", api="llamacpp", build=_llama_server, report=llama_cpp_report,
-        settings={"ubatch": Setting("-ub", low=1), "batch": Setting("-b", low=1),
-                  "cache_type_k": Setting("-ctk", _CACHE_TYPES), "cache_type_v": Setting("-ctv", _CACHE_TYPES),
-                  "flash_attn": Setting("-fa", ("on", "off", "auto")), "threads": Setting("-t", low=1)},
+        settings={"ubatch": Setting(("-ub",), low=1), "batch": Setting(("-b",), low=1),
+                  "cache_type_k": Setting(("-ctk",), _CACHE_TYPES), "cache_type_v": Setting(("-ctv",), _CACHE_TYPES),
+                  # both caches at once: DeepSeek-V4 in llama.cpp b11434 refuses different K and V cache types
+                  "cache_type": Setting(("-ctk", "-ctv"), _CACHE_TYPES),
+                  "flash_attn": Setting(("-fa",), ("on", "off", "auto")), "threads": Setting(("-t",), low=1)},
         defaults={"threads": "1"}),
 }
 

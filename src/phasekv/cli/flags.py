@@ -56,7 +56,8 @@ def add_launch_arguments(p, source) -> None:
                                                           "--tokenizer's --gguf-file)")
     p.add_argument("--engine-grid", nargs="+", default=[], metavar="KEY=V1,V2",
                    help="--launch: engine settings to vary, every combination one point (llama-server: ubatch, "
-                        "batch, cache_type_k, cache_type_v, flash_attn, threads), e.g. ubatch=16,64 flash_attn=on,off")
+                        "batch, cache_type_k, cache_type_v, cache_type (both), flash_attn, threads), e.g. ubatch=16,64 "
+                        "flash_attn=on,off")
     p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens "
                                                                     "(per slot)")
     p.add_argument("--engine-checks", nargs="+", default=[], choices=("decode", "prefix", "batch"), metavar="CHECK",

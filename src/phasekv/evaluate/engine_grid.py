@@ -154,7 +154,7 @@ def _point(grid: EngineGrid, settings: dict[str, str], sets: dict[str, EvalSet],
             try:
                 adapter.attach(Journal(journal_path(work / name), adapter.settings(), resume=True))
                 with output_dir(work / name) as tmp:
-                    point = _measure(adapter, sets, tmp, cfg=cfg, logprobs=logprobs, reference=reference,
+                    point = measure(adapter, sets, tmp, cfg=cfg, logprobs=logprobs, reference=reference,
                                      checks=checks, progress=progress)
                     point.update({"name": name, "settings": settings, "engine_report": grid.engine.report(adapter.conn),
                                   "elapsed_s": round(time.perf_counter() - began, 1)})
@@ -168,7 +168,7 @@ def _point(grid: EngineGrid, settings: dict[str, str], sets: dict[str, EvalSet],
     return point
 
 
-def _measure(adapter: EndpointAdapter, sets: dict[str, EvalSet], where: Path, *, cfg: EvalConfig,
+def measure(adapter: EndpointAdapter, sets: dict[str, EvalSet], where: Path, *, cfg: EvalConfig,
              logprobs: dict[str, Any], reference: Adapter | None, checks: dict[str, Check],
              progress: bool) -> dict[str, Any]:
     """The point's evaluation of every prompt set (each protocol's files of `phasekv eval` in `where`/PROTOCOL), its
