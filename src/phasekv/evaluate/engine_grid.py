@@ -240,7 +240,8 @@ def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
              "|---|---|---|---|---|---|---|" + "---|" * len(checks)]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['point']} | {r['protocol']} | failed: {r['failed']} | | | | |" + " |" * len(checks))
+            cause = r["failed"].split(" | ")[0]  # the first error line (grid.json has the whole reason)
+            lines.append(f"| {r['point']} | {r['protocol']} | failed: {cause} | | | | |" + " |" * len(checks))
             continue
         verdict = r["verdict"] + (f", period {r['period']}" if r["verdict"] == "phase sensitive" else "")
         query = "-" if "query_verdict" not in r else r["query_verdict"] + (
@@ -251,7 +252,8 @@ def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
                                               f"{_pct(r['min_query_phase_agreement'])}")
         lines.append(f"| {r['point']} | {r['protocol']} | {_pct(r['accuracy'])} [{_pct(r['accuracy_ci'][0])}, "
                      f"{_pct(r['accuracy_ci'][1])}] | {verdict} | {query} | {agreement} | {worst} |"
-                     + "".join(f" {_pct(r.get(f'{c}_agreement'))} of {r.get(f'{c}_n', 0)} |" for c in checks))
+                     + "".join(f" {_pct(r[f'{c}_agreement'])} of {r[f'{c}_n']} |" if f"{c}_n" in r else " - |"
+                               for c in checks))
     return "\n".join(lines) + "\n"
 
 
