@@ -1,8 +1,9 @@
 """Engine audits against the real llama-server (b11434, `make engine`): grids that phasekv launches itself on the
 exported DeepSeek-V4 checkpoint (its CSA m = 4 kernel) and on SmolLM2, the decode-step and prefix-cache checks, and
-the hidden-bug check: a proxy that corrupts the answers of one prompt-length residue must turn the query-phase verdict
-to "phase sensitive" with period 4 and fail the gate (exit 3), and the same proxy switched off must pass it.  Small
-on purpose (a few prompts per phase, one server thread)."""
+the hidden-bug check on SmolLM2 served by llama-server (`--endpoint` audits need a prompt format, which the
+DeepSeek-V4 export's closed word-level vocabulary cannot render): a proxy that corrupts the answers of one
+prompt-length residue must turn the query-phase verdict to "phase sensitive" with period 4 and fail the gate (exit
+3), and the same proxy switched off must pass it.  Small on purpose (a few prompts per phase, one server thread)."""
 
 import importlib.util
 import json
@@ -76,33 +77,35 @@ def test_dsv4_q8_0_against_f16_cache(dsv4, tmp_path):
     assert code == 0 and "does not support different K (q8_0) and V (f16) cache types" in failed["failed"]
 
 
-@needs_dsv4
+@needs_smol
 @pytest.mark.slow
-def test_the_bug_proxy_turns_the_query_phase_verdict_and_fails_the_gate(dsv4, tmp_path, capsys):
+def test_the_bug_proxy_turns_the_query_phase_verdict_and_fails_the_gate(tmp_path, capsys):
     from phasekv.adapters.launchers import LAUNCHERS, started
     from phasekv.cli import main
 
-    model, hf = dsv4
-    flags = ["--tokenizer", str(hf), "--reference-hf", str(hf), *DSV4, "--protocol", "query",
-             "--prompts-per-phase", "8"]
+    # short prompts, enough of them per phase for the verdict's material bound (8 per phase gave "a phase effect,
+    # not shown material": gap 75 pp, one-sided bounds [0, 100])
+    flags = ["--tokenizer", str(SMOL), "--gguf-file", SMOL_FILE, "--format", "records", "--records", "6", "--demos",
+             "1", "--stride", "4", "--protocol", "query", "--prompts-per-phase", "24", "--threads", "1",
+             "--no-progress"]
     expect = tmp_path / "expect.json"
-    with started(LAUNCHERS["llama-server"], LLAMA_SERVER, model, {}, context=512) as url:
+    with started(LAUNCHERS["llama-server"], LLAMA_SERVER, SMOL / SMOL_FILE, {}, context=2048) as url:
         def audit(out, on, gate):
             with CorruptingProxy(url, residue=3, on=on) as proxy:
                 code = main(["audit", "--endpoint", proxy.url, *flags, *gate, "--out", str(tmp_path / out)])
             return code, proxy.corrupted, capsys.readouterr()
 
-        assert audit("trusted", False, ["--write-expect", str(expect)])[0] == 0
+        code, _, seen = audit("trusted", False, ["--write-expect", str(expect)])
+        assert code == 0, seen.err
         code, corrupted, seen = audit("clean", False, ["--expect", str(expect)])
         assert code == 0 and corrupted == 0 and "all hold" in seen.out
         code, corrupted, seen = audit("bug", True, ["--expect", str(expect)])
     lines = seen.err.strip().splitlines()
     assert code == 3 and corrupted > 0 and all(li.startswith("expect: point audit, query") for li in lines)
     assert any("query-phase verdict is 'phase sensitive'" in li for li in lines)
-    assert any("agreement" in li and "expected >=" in li for li in lines)
     bug = json.loads((tmp_path / "bug" / "summary.json").read_text())
     assert bug["conditions"]["none"]["query"]["query_phase"]["verdict"].startswith("phase sensitive: period 4")
-    assert bug["engine_report"]["props"]["model_path"].endswith("dsv4-csa.gguf")
+    assert bug["engine_report"]["props"]["model_path"].endswith(SMOL_FILE)
 
 
 @needs_smol
