@@ -69,18 +69,44 @@ class LoopbackServer:
         self.server.server_close()
 
 
-class CountingProxy(LoopbackServer):
+class QuietHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+
+class Proxy(LoopbackServer):
+    """A loopback proxy with its own client to the target, closed with the server."""
+
+    def __init__(self, target: str):
+        self.target = target.rstrip("/")
+        self._client = httpx.Client(timeout=600)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._client.close()
+
+
+def reply(handler: BaseHTTPRequestHandler, answer: httpx.Response) -> None:
+    """Send a forwarded answer back to the proxy's client (which may have been killed meanwhile)."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        handler.send_response(answer.status_code)
+        handler.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
+        handler.send_header("Content-Length", str(len(answer.content)))
+        handler.end_headers()
+        handler.wfile.write(answer.content)
+
+
+class CountingProxy(Proxy):
     """A loopback HTTP proxy to `target` that counts the prompts of the POSTs it forwards, by their journal key
     (`phasekv.adapters.journal.prompt_key` of the body's "prompt" or "input_ids")."""
 
     def __init__(self, target: str):
-        self.target = target.rstrip("/")
+        super().__init__(target)
         self.prompts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._client = httpx.Client(timeout=600)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):
                 self._forward(None)
 
@@ -98,18 +124,40 @@ class CountingProxy(LoopbackServer):
                 except httpx.TransportError:
                     self.send_error(502)
                     return
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
-                    self.send_response(answer.status_code)
-                    self.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
-                    self.send_header("Content-Length", str(len(answer.content)))
-                    self.end_headers()
-                    self.wfile.write(answer.content)
-
-            def log_message(self, *args):  # quiet
-                pass
+                reply(self, answer)
 
         self._serve(Handler)
 
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        self._client.close()
+
+class CorruptingProxy(Proxy):
+    """A loopback HTTP proxy to a llama.cpp server that plants a phase bug: the answer to every /completion prompt
+    whose length is `residue` mod `modulus` has its top-2 tokens swapped (the greedy token becomes the runner-up,
+    the shape of vLLM #55927); `on=False` forwards everything unchanged.  Other routes pass through."""
+
+    def __init__(self, target: str, residue: int, modulus: int = 4, on: bool = True):
+        super().__init__(target)
+        self.residue, self.modulus, self.on, self.corrupted = residue, modulus, on, 0
+        proxy = self
+
+        class Handler(QuietHandler):
+            def do_GET(self):
+                reply(self, proxy._client.get(proxy.target + self.path))
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                answer = proxy._client.post(proxy.target + self.path, content=body,
+                                            headers={"Content-Type": "application/json"})
+                request = json.loads(body)
+                if (proxy.on and self.path == "/completion" and answer.status_code == 200
+                        and len(request["prompt"]) % proxy.modulus == proxy.residue):
+                    payload = answer.json()
+                    step = payload["completion_probabilities"][0]
+                    top = sorted(step["top_logprobs"], key=lambda t: -t["logprob"])
+                    if len(top) >= 2:
+                        top[0]["logprob"], top[1]["logprob"] = top[1]["logprob"], top[0]["logprob"]
+                        step["top_logprobs"], step["id"] = [top[1], top[0], *top[2:]], top[1]["id"]
+                        proxy.corrupted += 1
+                    answer = httpx.Response(200, json=payload)
+                reply(self, answer)
+
+        self._serve(Handler)

@@ -8,8 +8,9 @@ token and top-k log-probabilities are read back:
                                      (llama.cpp's own top-logprob ids, or vLLM's "token_id:N" tokens)
     sglang    POST /generate         {"input_ids": ids, "return_logprob": true, "top_logprobs_num": k}
 
-A new engine API is one subclass of `Api` here (its `name`, `path`, `body`, `parse` and `identify`), listed in
-`APIS`: `--api NAME` then reaches it, and the adapter (`phasekv.adapters.endpoint`) needs no change.
+A new engine API is one subclass of `Api` here (its `name`, `path`, `body`, `parse` and `identify`; for the
+decode-step audit `generate_body` and `parse_steps`, several greedy tokens per request), listed in `APIS`:
+`--api NAME` then reaches it, and the adapter (`phasekv.adapters.endpoint`) needs no change.
 
 `Connection` retries connection errors (refused, reset, timed out, a body cut short) and 5xx answers with
 exponential backoff; anything else is a one-line `EndpointError`.
@@ -137,6 +138,14 @@ class Api:
     def identify(self, conn: Connection, model: str | None) -> ServerInfo:
         raise NotImplementedError
 
+    def generate_body(self, ids: list[int], steps: int, top_k: int, model: str) -> dict[str, Any]:
+        """A request for `steps` greedy tokens after `ids` (end of sequence ignored), no prompt cache."""
+        raise NotImplementedError
+
+    def parse_steps(self, payload: Any) -> list[Answer]:
+        """The answer of `generate_body`: one Answer per generated token, in order."""
+        raise NotImplementedError
+
 
 def _not_completion(api: str, payload: Any) -> EndpointError:
     return EndpointError(f"the server did not answer with a {api} completion: {json.dumps(payload)[:160]}")
@@ -195,6 +204,16 @@ class LlamaCppApi(Api):
         context = (props.get("default_generation_settings") or {}).get("n_ctx")
         return ServerInfo(model or name, meta.get("n_vocab"), context)
 
+    def generate_body(self, ids, steps, top_k, model):
+        return {**self.body(ids, top_k, model, False), "n_predict": steps, "ignore_eos": True}
+
+    def parse_steps(self, payload):
+        try:
+            return [Answer(int(step["id"]), _ranked([(p["id"], p["logprob"]) for p in step["top_logprobs"]]))
+                    for step in payload["completion_probabilities"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _not_completion(self.name, payload) from None
+
 
 class OpenAIApi(Api):
     """OpenAI-style /v1/completions with a token-id prompt (llama.cpp, vLLM)."""
@@ -230,6 +249,21 @@ class OpenAIApi(Api):
         entry = _pick_model(served, model, conn.url)
         meta = entry.get("meta") or {}  # llama.cpp
         return ServerInfo(entry["id"], meta.get("n_vocab"), entry.get("max_model_len") or meta.get("n_ctx_train"))
+
+    def generate_body(self, ids, steps, top_k, model):
+        # ignore_eos: llama.cpp's and vLLM's extension (each ignores what it does not know)
+        return {**self.body(ids, top_k, model, False), "max_tokens": steps, "ignore_eos": True}
+
+    def parse_steps(self, payload):
+        try:
+            logprobs = payload["choices"][0]["logprobs"]
+            if "content" in logprobs:  # llama.cpp
+                return [Answer(int(step["id"]), _ranked([(p["id"], p["logprob"]) for p in step["top_logprobs"]]))
+                        for step in logprobs["content"]]
+            return [Answer(_token_id(token), _ranked([(_token_id(t), lp) for t, lp in top.items()]))
+                    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True)]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            raise _not_completion(self.name, payload) from None
 
 
 def vllm_cache_config(conn: Connection) -> dict[str, str] | None:
@@ -283,6 +317,19 @@ class SGLangApi(Api):
         if model is not None and model not in (info["model_path"], Path(info["model_path"]).name):
             raise EndpointError(f"--model {model}: {conn.url} serves {info['model_path']}")
         return ServerInfo(model or Path(info["model_path"]).name)
+
+    def generate_body(self, ids, steps, top_k, model):
+        body = self.body(ids, top_k, model, False)
+        body["sampling_params"] = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
+        return body
+
+    def parse_steps(self, payload):
+        try:
+            meta = payload["meta_info"]
+            return [Answer(int(token[1]), _ranked([(t[1], t[0]) for t in top]))
+                    for token, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True)]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _not_completion(self.name, payload) from None
 
 
 APIS: dict[str, Api] = {api.name: api for api in (LlamaCppApi(), OpenAIApi(), SGLangApi())}

@@ -172,7 +172,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def _tail(log, lines: int = 3) -> str:
+    """The log's last `lines` lines, after its first error line (llama.cpp's ` E ` lines) when that is earlier: the
+    cause, not only the exit."""
     log.flush()
     log.seek(0)
     text = log.read().strip().splitlines()
-    return " | ".join(text[-lines:]) if text else "(no output)"
+    errors = [line for line in text[:-lines] if " E " in line][:1]
+    return " | ".join(errors + text[-lines:]) if text else "(no output)"

@@ -3,8 +3,9 @@
 Each subcommand has one module in this package, listed in `COMMAND_MODULES` (in the order of
 `phasekv --help`), which exposes `add_parser(subparsers)`; the parser it adds sets `func`, which turns
 the parsed flags into typed arguments and calls one library function.  No library module defines an
-argparse parser.  Bad user input becomes one line on stderr and exit status 2 (130 on Ctrl-C), never a
-traceback (`-v` shows it); a failure of phasekv itself (RuntimeError, MemoryError, a TypeError ...) is one line
+argparse parser.  Bad user input becomes one line on stderr and exit status 2 (130 on Ctrl-C; 3 with one line per
+violated expectation for a run that missed its `--expect` gate, `GateFailed`), never a traceback (`-v` shows
+it); a failure of phasekv itself (RuntimeError, MemoryError, a TypeError ...) is one line
 that says "internal error" and asks for a rerun with -v, exit status 1, so a bug never looks like the user's fault;
 under torchrun only rank 0 prints it.  An --out that is, holds or lies inside an input is refused before anything
 runs, as is an empty --out.  Work is bounded: `check_budget` refuses, in one line that states the budget, settings
@@ -58,9 +59,11 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 
 
 # flags whose value is something the command reads (a checkpoint, a model directory, a config, a tokenizer...)
-INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "configs", "format", "reference_hf")
+INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "configs", "format", "reference_hf", "expect",
+               "engine_model")
 POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
-FILE_INPUTS = ("config", "format")  # inputs that are files (a directory there is refused by the command itself)
+# inputs that are files (a directory there is refused by the command itself)
+FILE_INPUTS = ("config", "format", "expect", "engine_model")
 
 
 def check_budget(need: int, what: str, device: str = "cpu", advice: str = "") -> None:
@@ -145,6 +148,15 @@ def _one_line(exc: BaseException) -> str:
     return text[:500]
 
 
+class GateFailed(Exception):
+    """A run that completed and violated the expectations it was given (`phasekv audit --expect`): its `lines` go to
+    stderr and the exit status is 3, distinct from bad input (2) and from phasekv's own failures (1)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(f"{len(lines)} expectations violated")
+        self.lines = lines
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     import pickle
 
@@ -169,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs_untouched(args)
         with library_bars_off(quiet, gguf=bool(getattr(args, "gguf_file", None))):
             args.func(args)
+    except GateFailed as failed:
+        if is_main():
+            print("\n".join(failed.lines), file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         if is_main():
             print(f"phasekv {args.command}: interrupted", file=sys.stderr)

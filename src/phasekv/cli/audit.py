@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.flags import add_endpoint_arguments, endpoint_options
+from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, endpoint_options
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 
@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
     add_endpoint_arguments(p, source)
+    add_launch_arguments(p, source)
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
                                        "extra: make real-model)")
     p.add_argument("--format", default=AUDIT_DEFAULTS["format"],
@@ -59,6 +60,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--expect", metavar="FILE", help="--endpoint/--launch: a regression gate: exit status 3, one line "
+                                                    "per violated expectation (verdict classes, agreement lower "
+                                                    "bounds, per-phase accuracy intervals)")
+    p.add_argument("--write-expect", metavar="FILE", help="--endpoint/--launch: write the expectations of this "
+                                                          "(trusted) run, for --expect")
     p.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition runs)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     p.add_argument("--no-progress", action="store_true")
@@ -85,9 +91,10 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.endpoint is None:
         resolve_device(args.device)
-    load_format(args.format, args.chat)
+    if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
+        load_format(args.format, args.chat)
     check_conditions(conditions, Geometry(args.window, args.stride, args.local_window))
-    if args.endpoint is not None:
+    if args.endpoint is not None or args.launch:
         check_served(conditions)
     padding = sum(p in PROTOCOLS for p in set(getattr(args, "protocol", PROTOCOLS))) or 1  # query: its own count
     check_prompt_count(args.prompts_per_phase * args.stride * padding, "--prompts-per-phase")
@@ -100,9 +107,14 @@ def run(args) -> dict[str, Any]:
     from phasekv.outputs import check_output_dir
     from phasekv.report.audit import run_audit
 
-    conditions = (*(args.compress or (("none",) if args.endpoint else HF_CONDITIONS)),
+    conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
+    expected = check_gate_flags(args)
+    if args.launch:
+        from phasekv.cli.engine_grid import run_launched
+
+        return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
     if args.threads:
         import torch
@@ -135,4 +147,33 @@ def run(args) -> dict[str, Any]:
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
               f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
+    return gate(args, expected, summary)
+
+
+def check_gate_flags(args) -> dict[str, Any] | None:
+    """--expect's file, read and checked before anything runs (None without it); --write-expect's directory."""
+    from phasekv.evaluate.expect import load_expectations
+
+    if (args.expect or args.write_expect) and not (args.endpoint or args.launch):
+        raise ValueError("--expect/--write-expect: gate a served model: need --endpoint or --launch")
+    if args.write_expect:
+        target = Path(args.write_expect)
+        if target.is_dir() or not target.absolute().parent.is_dir():
+            raise ValueError(f"--write-expect {target}: must be a file in an existing directory")
+    return load_expectations(args.expect) if args.expect else None
+
+
+def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write this run's expectations (--write-expect), then hold it to the given ones (--expect: GateFailed)."""
+    from phasekv.cli import GateFailed
+    from phasekv.evaluate.expect import check_expectations, write_expectations
+    from phasekv.outputs import write_json
+
+    if args.write_expect:
+        write_json(Path(args.write_expect), write_expectations(summary), atomic=True)
+    if expected is not None:
+        lines = check_expectations(expected, summary)
+        if lines:
+            raise GateFailed(lines)
+        print(f"expectations of {args.expect}: all hold")
     return summary

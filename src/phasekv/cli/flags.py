@@ -45,6 +45,32 @@ def add_endpoint_arguments(p, source) -> None:
                                                          "OUT.journal.jsonl (only unanswered prompts are sent)")
 
 
+def add_launch_arguments(p, source) -> None:
+    """--launch NAME (one more choice of the `source` group: phasekv starts the engine itself, once per point of
+    --engine-grid) and its flags; the --tokenizer, --timeout and --resume of the --endpoint flags apply too."""
+    source.add_argument("--launch", metavar="ENGINE", help="start this engine for each point of --engine-grid "
+                                                           "(llama-server), audit each point with --reference-hf")
+    p.add_argument("--engine-bin", metavar="PATH", help="--launch: the engine's binary (default: where make engine "
+                                                        "installs it)")
+    p.add_argument("--engine-model", metavar="FILE", help="--launch: the model file the engine serves (default: "
+                                                          "--tokenizer's --gguf-file)")
+    p.add_argument("--engine-grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help="--launch: engine settings to vary, every combination one point (llama-server: ubatch, "
+                        "batch, cache_type_k, cache_type_v, cache_type (both), flash_attn, threads), e.g. ubatch=16,64 "
+                        "flash_attn=on,off")
+    p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens "
+                                                                    "(per slot)")
+    p.add_argument("--engine-checks", nargs="+", default=[], choices=("decode", "prefix", "batch"), metavar="CHECK",
+                   help="--launch: per point, also decode (greedy multi-token answers vs the teacher-forced "
+                        "reference), prefix (answers served from the prefix cache vs cold), batch (batched with "
+                        "neighbours of other lengths vs alone)")
+    p.add_argument("--decode-steps", type=int, default=6, help="--engine-checks decode: tokens generated per prompt")
+    p.add_argument("--batch-width", type=int, default=4, help="--engine-checks batch: requests batched together "
+                                                              "(the server gets as many slots)")
+    p.add_argument("--check-prompts", type=int, default=0, help="--engine-checks: prompts per check (0: all of the "
+                                                                "query protocol's, else the first protocol's)")
+
+
 def endpoint_options(args):
     """The EndpointOptions of the --endpoint flags."""
     from phasekv.adapters.endpoint import EndpointOptions

@@ -43,7 +43,8 @@ tokenized once as one piece, the tail and the text after it as another (a leadin
 prompt starts with one), so positions stay exact and the joins tokenize as in running text.
 
 Shipped formats: `records` (3-digit values, a prose header and tail), `records-names` (name values),
-`needle` (needles in prose, a question as the tail), `bare` (the old bare word pairs, no framing: the
+`needle` (needles in prose, a question as the tail), `needle-digits` (the same with 4-digit numbers: a
+multi-token answer, for the decode-step audit), `bare` (the old bare word pairs, no framing: the
 format a real model cannot do), and `records-4k`, `records-8k`, `needle-4k`, `needle-8k`: `records` and
 `needle` behind a prose preamble sized so that prompts are just under 4,096 / 8,192 tokens for SmolLM2's
 tokenizer (max positions 8,192) with the audit's defaults for records (24 records, 4 demonstrations) and
@@ -135,6 +136,9 @@ FORMATS = {
     "bare": PromptFormat("bare", key_text=" {key}", value_text=" {value}", keys="animals", values="names",
                          filler=" um"),
 }
+# the answer is several tokens (four digits and a period with SmolLM2's digit-by-digit tokenizer): the decode-step
+# audit compares every one of them (`phasekv.evaluate.decode`)
+FORMATS["needle-digits"] = dataclasses.replace(FORMATS["needle"], name="needle-digits", values="digits:4")
 # the long-context formats: (base format, its header with the preamble, preamble tokens per size); with SmolLM2's
 # tokenizer and the settings of the module docstring their prompts are 4,026-4,091 / 8,102-8,155 tokens (both
 # protocols, with and without --chat)

@@ -12,7 +12,8 @@ engine, not about the model.  `phasekv eval --endpoint` and `phasekv audit --end
 for it (`evaluate_endpoint` here, `report.audit.run_audit`).
 
 The reference runs through `predict` (contexts prefilled once, each query continued from the cache); `_Recorder`
-keeps, per prompt, the reference's argmax and its log-probability of the engine's token.
+keeps, per prompt, the reference's next-token log-probabilities (`reference_logprobs`), so an engine grid compares
+every point with one reference pass.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ from phasekv.outputs import write_json
 
 
 class _Recorder(Wrapped):
-    """`base`, recording for each prompt it scores (by `prompt_key`) its argmax and log-probability of `tokens[key]`."""
+    """`base`, recording for each prompt it scores (by `prompt_key`) its next-token log-probabilities (float32)."""
 
-    def __init__(self, base: Adapter, tokens: dict[str, int]):
+    def __init__(self, base: Adapter):
         super().__init__(base)
-        self.tokens = tokens
-        self.seen: dict[str, tuple[int, float]] = {}
+        self.seen: dict[str, torch.Tensor] = {}
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.inner.logits(ids)
@@ -56,22 +56,30 @@ class _Recorder(Wrapped):
         return out
 
     def _record(self, prompts: list[list[int]], logits: torch.Tensor) -> None:
-        logp = torch.log_softmax(logits[:, -1].double(), -1)  # (B, V)
+        logp = torch.log_softmax(logits[:, -1].double(), -1).float()  # (B, V)
         for prompt, lp in zip(prompts, logp, strict=True):
-            key = prompt_key(prompt)
-            self.seen[key] = (int(lp.argmax()), float(lp[self.tokens[key]]))
+            self.seen[prompt_key(prompt)] = lp.clone()
 
 
-def compare(engine: EndpointAdapter, reference: Adapter, eval_set: EvalSet, batch_size: int = 16) -> dict[str, Any]:
-    """comparison.json's content for one prompt set (the engine's answers already journaled are not asked again)."""
+def reference_logprobs(reference: Adapter, eval_set: EvalSet, batch_size: int = 16) -> dict[str, torch.Tensor]:
+    """The reference's next-token log-probabilities (V,) of every prompt of `eval_set`, by `prompt_key`: computed
+    once and compared with any number of engine runs (`compare(..., logprobs=...)`, the engine grid)."""
+    recorder = _Recorder(reference)
+    predict(recorder, eval_set, batch_size, progress=False)
+    return recorder.seen
+
+
+def compare(engine: EndpointAdapter, reference: Adapter, eval_set: EvalSet, batch_size: int = 16, *,
+            logprobs: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """comparison.json's content for one prompt set (the engine's answers already journaled are not asked again);
+    `logprobs`: the reference's, computed before (`reference_logprobs`)."""
     prompts = eval_set.prompts()
     keys = [prompt_key(p.ids) for p in prompts]
     answers = [group[0] for group in engine.answer([[p.ids] for p in prompts])]
-    recorder = _Recorder(reference, {k: a.token for k, a in zip(keys, answers, strict=True)})
-    predict(recorder, eval_set, batch_size, progress=False)
+    seen = logprobs if logprobs is not None else reference_logprobs(reference, eval_set, batch_size)
     rows = []
     for p, key, answer in zip(prompts, keys, answers, strict=True):
-        ref_top, ref_logp = recorder.seen[key]
+        ref_top, ref_logp = int(seen[key].argmax()), float(seen[key][answer.token])
         own = dict(answer.top).get(answer.token)
         rows.append({"phase": p.query.phase, "query_phase": p.query.query_position % eval_set.stride,
                      "agree": ref_top == answer.token, "dlogp": None if own is None else own - ref_logp,

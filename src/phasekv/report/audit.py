@@ -24,8 +24,9 @@ source of truth) and OUT/report.html (drawn from it).  `protocols` may add the q
 fixed, the prompt length varied): its query-phase curve gets the same verdict, and its source x query phase
 cells a heatmap.  With a `reference` (the engine's weights in process, for an endpoint audit) the same prompts
 go through it as well: OUT/comparison.json, the engine-vs-reference agreement per source and query phase
-(`phasekv.evaluate.served`), also in summary.json and the report.  An endpoint's journal is kept in OUT when OUT is
-published (`phasekv.adapters.journal.keep_journal`).
+(`phasekv.evaluate.served`), also in summary.json and the report; a served model's own account of its
+settings (llama.cpp's /props and /slots) is summary.json's `engine_report`.  An endpoint's journal is kept in OUT
+when OUT is published (`phasekv.adapters.journal.keep_journal`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from phasekv.adapters.base import Adapter
 from phasekv.adapters.conditions import Geometry, check_conditions, condition_adapter
 from phasekv.adapters.endpoint import EndpointAdapter, check_reference
 from phasekv.adapters.journal import keep_journal
+from phasekv.adapters.launchers import running_settings
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.evaluate.runner import predict, write_run
@@ -119,6 +121,8 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
         }
         if reference is not None:
             summary["comparison"] = comparison
+        if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
+            summary["engine_report"] = running_settings(adapter.api.name, adapter.conn)
         check_finite(summary)
         write_json(tmp / "summary.json", summary)
         write_audit_report(summary, tmp)
