@@ -80,7 +80,7 @@ def _in(module: str, package: str) -> bool:
 
 
 @pytest.mark.parametrize("lower, forbidden", [
-    ("phasekv.config", ["phasekv"]),  # the bottom layer imports nothing of phasekv
+    ("phasekv.config", ["phasekv"]),  # the bottom layer imports nothing of phasekv but itself
     ("phasekv.layers", ["phasekv"]),
     ("phasekv.figures", ["phasekv.config", "phasekv.model", "phasekv.evaluate", "phasekv.probes", "phasekv.theory"]),
     ("phasekv.kernels", ["phasekv.attention", "phasekv.cache", "phasekv.model"]),  # kernels know no layer or cache
@@ -100,7 +100,7 @@ def test_no_lower_layer_imports_a_higher_one(lower, forbidden):
         if not _in(module, lower):
             continue
         for target in targets:
-            if _in(target, lower) and lower != "phasekv.config":
+            if _in(target, lower):
                 continue  # within its own package
             assert not any(_in(target, f) for f in forbidden), f"{module} imports {target}"
 
@@ -130,7 +130,7 @@ def test_no_parameter_name_matching_outside_the_compressors():
 
 # files over MAX_FILE_LINES that are being split elsewhere (each with the reason); nothing else may grow past it
 MAX_FILE_LINES = 500
-LONG_FILES = {"config.py": "to become the config/ package of issue 36 (fields, files, model, run sections)"}
+LONG_FILES: dict[str, str] = {}
 MAX_POSITIONAL = 6
 # functions that still take more than MAX_POSITIONAL positional parameters, to be made keyword-only (issue 36); the
 # list may only shrink
@@ -190,8 +190,8 @@ def test_functions_are_short_or_say_why():
 
 
 def test_a_compressor_from_outside_the_package_brings_its_own_options():
-    """tests/toy_compressor.py registers `toy_mean` with a knob (`scale`) config.py has never heard of."""
-    assert "scale" not in (SRC / "config.py").read_text().split("class TransformersModelConfig")[0].split(
+    """tests/toy_compressor.py registers `toy_mean` with a knob (`scale`) config/model.py has never heard of."""
+    assert "scale" not in (SRC / "config" / "model.py").read_text().split("class TransformersModelConfig")[0].split(
         "class ModelConfig")[1]
     config = tiny(compressor="toy_mean", span=4, scale=2.0)
     assert config.options("toy_mean").scale == 2.0 and config.phase_stride == 4
@@ -306,7 +306,7 @@ def _mentions(pattern: re.Pattern, files: dict[str, str]) -> list[tuple[str, int
 
 def test_no_file_refers_to_a_document_outside_the_repository():
     files = repository_files()
-    assert "README.md" in files and "src/phasekv/config.py" in files  # the listing found the repository
+    assert "README.md" in files and "src/phasekv/config/model.py" in files  # the listing found the repository
     found = [f"{name}:{text.count(chr(10), 0, text.index(doc)) + 1}: {doc}" for name, text in files.items()
              for doc in OUTSIDE_DOCUMENTS if doc in text]
     assert not found, f"references to documents outside the repository: {found}"

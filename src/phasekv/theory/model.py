@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phasekv.config import TheoryConfig
+from phasekv.theory.config import TheoryConfig
 
 Assignment = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 DTYPE = torch.float64
