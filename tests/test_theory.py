@@ -101,7 +101,7 @@ def test_fast_losses_match_the_loop_reference_for_every_query():
     fast = query_losses(tokens[None], emb, fixed_assignment(pk[None], pv[None]), cfg)[0]  # (L, S-1)
     for l_star in range(cfg.chunks):
         for r_star in range(cfg.stride - 1):
-            ref = reference_query_loss(emb.numpy(), tokens.numpy(), l_star, r_star, pk.numpy(), pv=pv.numpy(),
+            ref = reference_query_loss(emb.numpy(), tokens.numpy(), l_star, r_star, pk.numpy(), pv.numpy(),
                                        gamma=cfg.gamma, beta=cfg.beta)
             assert fast[l_star, r_star].item() == pytest.approx(ref, abs=1e-10)
 

@@ -263,8 +263,8 @@ def retrieval_by_position(cfg: TheoryConfig, emb: torch.Tensor, assign: Assignme
 # ---------------------------------------------------------------- the slow, obviously-correct reference
 
 
-def reference_query_loss(emb: np.ndarray, tokens: np.ndarray, l_star: int, r_star: int, pk: np.ndarray, *,
-                         pv: np.ndarray, gamma: float, beta: float) -> float:
+def reference_query_loss(emb: np.ndarray, tokens: np.ndarray, l_star: int, r_star: int, pk: np.ndarray,
+                         pv: np.ndarray, *, gamma: float, beta: float) -> float:
     """Loss of one query by explicit loops: emb (N, d), tokens (L, S), pk, pv (m, L, S)."""
     heads, chunks, s = pk.shape
     q = emb[tokens[l_star, r_star]]
@@ -293,7 +293,7 @@ def reference_monte_carlo_loss(cfg: TheoryConfig, emb: torch.Tensor, assign: Ass
         with torch.no_grad():
             pk, pv = assign(emb[torch.from_numpy(tokens)])
         l_star, r_star = int(rng.integers(cfg.chunks)), int(rng.integers(cfg.stride - 1))
-        losses.append(reference_query_loss(e, tokens, l_star, r_star, pk.numpy(), pv=pv.numpy(),
+        losses.append(reference_query_loss(e, tokens, l_star, r_star, pk.numpy(), pv.numpy(),
                                            gamma=cfg.gamma, beta=cfg.beta))
     values = np.array(losses)
     return float(values.mean()), float(values.std(ddof=1) / math.sqrt(n_samples))
