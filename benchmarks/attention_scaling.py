@@ -88,8 +88,8 @@ def measure_core(T: int, repeats: int) -> dict:
     with torch.no_grad():  # alternating, so that a drift of the machine's speed hits both alike
         for _ in range(repeats):
             full.append(_best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 1))
-            core.append(_best(lambda: windowed_attention(qg, torch.arange(T), k_all, v_all, k_pos, L, vis, None,
-                                                         None, 128), 1))
+            core.append(_best(lambda: windowed_attention(qg, torch.arange(T), k_all, v_all, k_pos, local=L, vis=vis,
+                                                         sink=None, tail=None, block=128), 1))
     return {"full_s": min(full), "compressed_s": min(core)}
 
 

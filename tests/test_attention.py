@@ -39,13 +39,14 @@ def _assert_matches_reference(q, k_all, v_all, k_pos, L, vis, sink, tail, block,
     """The fast path `path` ("parts": `attention_by_parts`, taken without autograd; "blocks": the per-block
     SDPA path, taken while autograd records) equals the reference, and is the path taken."""
     T = q.shape[3]
-    ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail)
+    ref = windowed_attention_reference(q, torch.arange(T), k_all, v_all, k_pos, local=L, vis=vis, sink=sink, tail=tail)
     calls = []
     if monkeypatch is not None:
-        monkeypatch.setattr(kernels, "attention_by_parts", lambda *a: calls.append(1) or by_parts(*a))
+        monkeypatch.setattr(kernels, "attention_by_parts", lambda *a, **kw: calls.append(1) or by_parts(*a, **kw))
         monkeypatch.setattr(kernels, "PARTS_MIN_PAIRS", 0)  # the parts path at any size
     q = q.clone().requires_grad_(path == "blocks")
-    fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, sink, tail, block=block).detach()
+    fast = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, local=L, vis=vis, sink=sink, tail=tail,
+                              block=block).detach()
     if monkeypatch is not None:
         assert bool(calls) == (path != "blocks")
     # every query reads at least one key (its own token, or the entry that just compressed it): no NaN rows
@@ -57,8 +58,8 @@ def test_sink_is_an_extra_softmax_term():
     """A sink logit s adds exp(s) to the denominator only: one raw key gives v * e^l / (e^l + e^s)."""
     q, k, v = torch.randn(1, 1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
     sink = torch.tensor([0.7])
-    out = windowed_attention(q, torch.tensor([0]), k, v, torch.tensor([0]), 1, Visible(None, None, None), sink,
-                             None, block=8)
+    out = windowed_attention(q, torch.tensor([0]), k, v, torch.tensor([0]), local=1, vis=Visible(None, None, None),
+                             sink=sink, tail=None, block=8)
     logit = (q[0, 0, 0, 0] @ k[0, 0, 0]) / 2
     expected = v[0, 0, 0] * torch.exp(logit) / (torch.exp(logit) + torch.exp(sink))
     torch.testing.assert_close(out[0, 0, 0, 0], expected, rtol=1e-5, atol=1e-6)
@@ -91,8 +92,8 @@ def test_attention_by_parts_for_queries_after_a_prefix(start, T, sink, entry_row
     s = torch.randn(KVH * G) * 3 if sink else None
     q_pos = torch.arange(start, start + T)
     assert kernels.regular_entries(vis)
-    fast = kernels.attention_by_parts(q, q_pos, k_all, v_all, k_pos, L, vis, s, None, 4)
-    ref = windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, L, vis, s, None)
+    fast = kernels.attention_by_parts(q, q_pos, k_all, v_all, k_pos, local=L, vis=vis, sink=s, tail=None, block=4)
+    ref = windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local=L, vis=vis, sink=s, tail=None)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -159,7 +160,8 @@ def test_gradients_over_several_blocks_match_reference(sink, topk, head_stagger)
     for fn, kw in ((windowed_attention, {"block": 4}), (windowed_attention_reference, {})):
         x = {name: t.clone().requires_grad_() for name, t in leaves.items()}
         vis = Visible(x["ek"], x["ev"], ends, select, owner)
-        out = fn(x["q"], torch.arange(T), x["k"], x["v"], k_pos, L, vis, x["sink"] if sink else None, None, **kw)
+        out = fn(x["q"], torch.arange(T), x["k"], x["v"], k_pos, local=L, vis=vis, sink=x["sink"] if sink else None,
+                 tail=None, **kw)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         grads.append({name: t.grad for name, t in x.items() if t.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == (6 if sink else 5)
@@ -194,11 +196,12 @@ def test_head_staggered_entry_is_read_by_its_owner_only():
     torch.manual_seed(0)
     B, KVH, G, T, D, L, N, W = 1, 2, 2, 23, 8, 5, 8, 8
     q, k_all, v_all, k_pos, vis = _head_staggered_inputs(B, KVH, G, T, D, L, N, 4, W)
-    base = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, vis, None, None, block=4)
+    base = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, local=L, vis=vis, sink=None, tail=None, block=4)
     mine = vis.entries_owner == 0
     changed = Visible(vis.entries_k + 3 * mine.view(1, 1, N, 1), vis.entries_v - 2 * mine.view(1, 1, N, 1),
                       vis.entries_end, entries_owner=vis.entries_owner)
-    out = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, L, changed, None, None, block=4)
+    out = windowed_attention(q, torch.arange(T), k_all, v_all, k_pos, local=L, vis=changed, sink=None, tail=None,
+                             block=4)
     torch.testing.assert_close(out[:, 1], base[:, 1], rtol=0, atol=0)
     first = int(vis.entries_end[0])
     assert torch.equal(out[:, 0, :, :first], base[:, 0, :, :first])

@@ -105,3 +105,26 @@ def test_every_bundled_checkpoint_loads_through_the_public_function():
         ids = torch.randint(0, config.vocab_size, (1, 40))
         with torch.no_grad():
             assert torch.isfinite(families.logits(model, ids)).all()
+
+
+def test_eval_opens_a_checkpoint_once(monkeypatch):
+    """From the flags of `phasekv eval --checkpoint` to the adapter and its prompt set, config.json is read once: the
+    settings (its eval section), the in-distribution defaults and the weights' config all come from that read."""
+    from phasekv.cli import build_parser
+    from phasekv.cli.flags import source_and_config
+    from phasekv.evaluate.sources import open_source
+
+    reads = []
+    read_text = Path.read_text
+
+    def counted(path, *args, **kwargs):
+        if path.name == "config.json":
+            reads.append(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    args = build_parser().parse_args(["eval", "--checkpoint", str(CHECKPOINTS / "w8s8"), "--out", "unused",
+                                      "--residue-modulus", "8", "--clusters", "2"])
+    adapter, eval_set = open_source(*source_and_config(args))
+    assert eval_set.prompts() and adapter.info.stride == 8
+    assert reads == [CHECKPOINTS / "w8s8" / "config.json"]

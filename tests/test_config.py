@@ -196,3 +196,18 @@ def test_no_yaml_document_gives_a_traceback(tmp_path):
         assert json.loads(json.dumps(tree, allow_nan=True)).keys() == tree.keys()
         accepted += 1
     assert accepted > 30 and refused > 30
+
+
+def test_model_config_init_is_the_class_own_and_keyword_only():
+    """ModelConfig writes its own __init__ (no patch at import time): keyword-only, flat compressor keys routed, every
+    field not given at its default (a fresh list or dict each time)."""
+    assert ModelConfig.__init__.__qualname__ == "ModelConfig.__init__"
+    with pytest.raises(TypeError):
+        ModelConfig(256)
+    a, b = ModelConfig(), ModelConfig(compressor="gated", window=8, stride=4)
+    assert a.layer_types == ["full", "full"] and a.compressors == {} and a.hidden_size == 128
+    assert b.options("gated").geometry() == (8, 4) and b.layer_types == ["gated", "gated"]
+    a.layer_types.append("full")
+    assert ModelConfig().layer_types == ["full", "full"]
+    with pytest.raises(ValueError, match="model.windw: unknown key"):
+        ModelConfig(windw=8)

@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from phasekv import memory  # noqa: E402
 from phasekv.adapters import hf as adapter_module  # noqa: E402
 from phasekv.adapters.hf import HFAdapter, query_mask  # noqa: E402
 from phasekv.adapters.posthoc import PosthocAdapter  # noqa: E402
@@ -135,14 +136,14 @@ def test_hooked_models_and_other_caches_take_the_reference_path(hf):
 def test_a_forward_that_would_not_fit_is_refused_before_it_runs(hf, monkeypatch):
     contexts = _ids(2, T, 11)
     need = adapter_module.forward_bytes(hf.module.config, T, 2, 4, hf.module.config._attn_implementation == "eager")
-    monkeypatch.setattr(adapter_module, "available_memory", lambda: need - 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: need - 1)
     with Forwards(hf.module) as seen:
         for call in (lambda: hf.prefill(contexts), lambda: hf.next_logits(contexts), lambda: hf.logits(contexts)):
             with pytest.raises(ValueError, match=r"^context: a forward of 2 x 37 tokens of .* needs about [\d.]+ "
                                                  r"GiB, only [\d.]+ GiB of memory is available; lower --batch-size"):
                 call()
         assert seen.shapes == []  # nothing ran
-        monkeypatch.setattr(adapter_module, "available_memory", lambda: need)
+        monkeypatch.setattr(memory, "available_memory", lambda: need)
         hf.prefill(contexts)
     assert seen.shapes == [(2, T)]
 

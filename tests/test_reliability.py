@@ -314,7 +314,7 @@ def test_publish_fsyncs(tmp_path, monkeypatch):
 
 
 def test_kill_while_pruning_an_old_checkpoint(tmp_path, monkeypatch):
-    import phasekv.train as train_mod
+    import phasekv.rundir as rundir_mod
 
     run = tmp_path / "r"
     original = shutil.rmtree
@@ -323,12 +323,12 @@ def test_kill_while_pruning_an_old_checkpoint(tmp_path, monkeypatch):
         next(Path(path).iterdir()).unlink()  # half deleted
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_mod.shutil, "rmtree", dies_after_one_file)
+    monkeypatch.setattr(rundir_mod.shutil, "rmtree", dies_after_one_file)
     with pytest.raises(KeyboardInterrupt):
         train(experiment(keep_checkpoints=1), run, progress=False)
-    monkeypatch.setattr(train_mod.shutil, "rmtree", original)
+    monkeypatch.setattr(rundir_mod.shutil, "rmtree", original)
     assert (run / "checkpoints" / "step_000003.deleting").is_dir()
-    assert train_mod._kept_checkpoints(run) == [run / "checkpoints" / "step_000006"]
+    assert rundir_mod.kept_checkpoints(run) == [run / "checkpoints" / "step_000006"]
     train(experiment(keep_checkpoints=1, steps=9), run, resume=True, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000009"]
 
@@ -342,7 +342,7 @@ def test_resume_without_its_latest_pointer_continues_from_the_newest_checkpoint(
     train(Experiment.from_file(cfg, ["train.steps=2"]), run, progress=False)
     (run / "latest").unlink()
     kept = (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns
-    with caplog.at_level("INFO", logger="phasekv.train"):
+    with caplog.at_level("INFO", logger="phasekv.rundir"):
         train(Experiment.from_file(cfg), run, resume=True, progress=False)
     assert any("at step 2" in r.getMessage() for r in caplog.records), caplog.text
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns == kept  # not retrained

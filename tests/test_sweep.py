@@ -74,8 +74,8 @@ class FlipOracle(Adapter):
 
 
 def test_oracle_flipping_with_period_4(tmp_path):
-    result = run_sweep(FlipOracle(exceptions=(5, 22, 40)), VOCAB.decode, [BOS], FILLER, TEXT, A, B, 64,
-                       tmp_path, progress=False)
+    result = run_sweep(FlipOracle(exceptions=(5, 22, 40)), VOCAB.decode, prefix_ids=[BOS], filler_id=FILLER,
+                       text_ids=TEXT, a_ids=A, b_ids=B, max_filler=64, out_dir=tmp_path, progress=False)
     assert result["detected_period"] == 4
     assert result["pattern"] == ["a", "a", "b", "b"]
     assert result["n_rankings"] == 65 and result["agreement"] == 62
@@ -93,7 +93,8 @@ def test_scores_of_a_tiny_model_match_one_forward_per_token():
     model = build_model(_config())
     adapter = PhaseKVAdapter(model)
     a, b = VOCAB.encode("Bob Alice otter"), VOCAB.encode("Carol")
-    result = run_sweep(adapter, VOCAB.decode, [BOS], FILLER, TEXT, a, b, 9, progress=False)
+    result = run_sweep(adapter, VOCAB.decode, prefix_ids=[BOS], filler_id=FILLER, text_ids=TEXT, a_ids=a, b_ids=b,
+                       max_filler=9, progress=False)
     assert result["n_rankings"] == 10 and 1 <= result["detected_period"] <= 5
     for row in (result["per_length"][0], result["per_length"][7]):
         prompt = [BOS] + [FILLER] * row["filler"] + TEXT
@@ -113,12 +114,15 @@ def test_scores_of_a_tiny_model_match_one_forward_per_token():
 def test_bad_inputs_are_value_errors():
     adapter = FlipOracle()
     with pytest.raises(ValueError, match="a and b"):
-        run_sweep(adapter, VOCAB.decode, [BOS], FILLER, TEXT, A, A, 8, progress=False)
+        run_sweep(adapter, VOCAB.decode, prefix_ids=[BOS], filler_id=FILLER, text_ids=TEXT, a_ids=A, b_ids=A,
+                  max_filler=8, progress=False)
     with pytest.raises(ValueError, match="max_filler"):
-        run_sweep(adapter, VOCAB.decode, [BOS], FILLER, TEXT, A, B, 0, progress=False)
+        run_sweep(adapter, VOCAB.decode, prefix_ids=[BOS], filler_id=FILLER, text_ids=TEXT, a_ids=A, b_ids=B,
+                  max_filler=0, progress=False)
     adapter.info.max_length = 10
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        run_sweep(adapter, VOCAB.decode, [BOS], FILLER, TEXT, A, B, 8, progress=False)
+        run_sweep(adapter, VOCAB.decode, prefix_ids=[BOS], filler_id=FILLER, text_ids=TEXT, a_ids=A, b_ids=B,
+                  max_filler=8, progress=False)
 
 
 def _run_command(argv):

@@ -102,7 +102,7 @@ def test_fast_losses_match_the_loop_reference_for_every_query():
     for l_star in range(cfg.chunks):
         for r_star in range(cfg.stride - 1):
             ref = reference_query_loss(emb.numpy(), tokens.numpy(), l_star, r_star, pk.numpy(), pv.numpy(),
-                                       cfg.gamma, cfg.beta)
+                                       gamma=cfg.gamma, beta=cfg.beta)
             assert fast[l_star, r_star].item() == pytest.approx(ref, abs=1e-10)
 
 

@@ -79,7 +79,8 @@ class Attention(nn.Module):
         if self.kind == "full":
             return LayerCache()
         hidden = self.q_proj.in_features
-        cache = LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype, device)
+        cache = LayerCache.empty_windowed(batch, self.num_kv_heads, self.local, self.head_dim, hidden, dtype=dtype,
+                                          device=device)
         cache.pending_start = 0 if self.compressor is None else self.compressor.grid_offset
         return cache
 
@@ -157,7 +158,7 @@ class Attention(nn.Module):
                 shared_ok = torch.cat([shared_ok, shared_ok.new_ones(T, cache.entries_k.shape[2])], dim=1)
             if self.compressor is not None:
                 k, v, own_ok = self._own_entries(x, cache, start, k, v, own_ok)
-        out = attention_over_shared(q, shared_k, shared_v, shared_ok, k, v, own_ok, self.sink)
+        out = attention_over_shared(q, shared_k, shared_v, shared_ok, own_k=k, own_v=v, own_ok=own_ok, sink=self.sink)
         return self.o_proj(out.reshape(R, H, T, D).transpose(1, 2).reshape(R, T, H * D))
 
     def _own_entries(self, x, cache, start, k, v, own_ok):
@@ -273,6 +274,6 @@ class Attention(nn.Module):
         KVH = self.num_kv_heads
         qg = q.view(B, KVH, self.num_heads // KVH, T, D)  # (B, KVH, G, T, D)
         q_pos = torch.arange(start, start + T)  # the host copy of pos
-        out = windowed_attention(qg, q_pos, k_all, v_all, k_pos, self.local, vis, self.sink, self.tail,
-                                 self.query_block)
+        out = windowed_attention(qg, q_pos, k_all, v_all, k_pos, local=self.local, vis=vis, sink=self.sink,
+                                 tail=self.tail, block=self.query_block)
         return out.reshape(B, self.num_heads, T, D)

@@ -42,7 +42,7 @@ class LayerCache:
     repeats: int = 1
 
     @classmethod
-    def empty_windowed(cls, B: int, KVH: int, L: int, D: int, hidden: int, dtype, device) -> LayerCache:
+    def empty_windowed(cls, B: int, KVH: int, L: int, D: int, hidden: int, *, dtype, device) -> LayerCache:
         return cls(raw_k=torch.zeros(B, KVH, L - 1, D, dtype=dtype, device=device),
                    raw_v=torch.zeros(B, KVH, L - 1, D, dtype=dtype, device=device),
                    raw_pos=torch.full((L - 1,), -1, dtype=torch.long, device=device),

@@ -14,14 +14,13 @@ runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` ser
                 indexer objective reads the main attention's probabilities, which only the eager path
                 returns.  What phasekv knows of each transformers architecture lives in `phasekv.archs`.
 
-`build` first checks that the weights fit in memory (`check_fits`): the model is built once on the
-`meta` device (no storage) and its parameters counted, so an absurd config is refused in one line
-instead of being allocated until the machine swaps or the kernel kills the process.
+`build` first checks that the weights fit in memory (`check_fits`, through `phasekv.memory`): the model is
+built once on the `meta` device (no storage) and its parameters counted, so an absurd config is refused in one
+line instead of being allocated until the machine swaps or the kernel kills the process.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -31,13 +30,11 @@ from phasekv.archs import architecture_of, geometry_of
 from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in adapters/presses.py)
 from phasekv.config import ModelConfig, TransformersModelConfig
 from phasekv.indexer import indexers_of
+from phasekv.memory import GIB, available_memory, check_budget  # noqa: F401 (GIB, available_memory: re-exported)
 from phasekv.model import PhaseKVForCausalLM, build_model
 from phasekv.textlm import TextCausalLM
 
 ModelConfigLike = ModelConfig | TransformersModelConfig
-
-
-GIB = 1 << 30
 
 
 def _build(config: Any) -> nn.Module:
@@ -72,30 +69,12 @@ def weight_bytes(config: Any, bytes_per_value: int = 4) -> int:
     return sum(t.numel() for t in tensors) * bytes_per_value
 
 
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation: MemAvailable of /proc/meminfo, else free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return 1 << 62  # unknown: do not refuse
-
-
 def check_fits(config: Any, copies: float = 1.0, available: int | None = None, bytes_per_value: int = 4) -> None:
     """Refuse, before anything is allocated, a model whose weights (times `copies`, e.g. 4 for weights,
-    gradients and two AdamW moments) would not fit in the available memory."""
-    need = weight_bytes(config, bytes_per_value) * copies
-    have = available_memory() if available is None else available
-    if need > have:
-        raise ValueError(f"model: needs about {need / GIB:.1f} GiB for its weights, only {have / GIB:.1f} GiB of "
-                         "memory is available; use smaller sizes (hidden_size, intermediate_size, "
-                         "num_hidden_layers, vocab_size)")
+    gradients and two AdamW moments) would not fit in the available memory (or in `available` bytes)."""
+    check_budget(weight_bytes(config, bytes_per_value) * copies,
+                 f"model (its weights{f' x {copies:g}' if copies != 1 else ''})", have=available,
+                 advice="use smaller sizes (hidden_size, intermediate_size, num_hidden_layers, vocab_size)")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

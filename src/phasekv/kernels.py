@@ -103,7 +103,7 @@ def _parts_pay(q: torch.Tensor, vis: Visible) -> bool:
 
 
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                       k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
+                       k_pos: torch.Tensor, *, local: int, vis: Visible, sink: torch.Tensor | None,
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
     """Joint softmax over the raw local window and visible compressed entries.
     q (B, KVH, G, Tq, D) at positions q_pos (Tq,), a CPU tensor: how many entries a block of queries sees is
@@ -114,13 +114,13 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     head stagger): one fused `scaled_dot_product_attention` call per block of queries a..b-1 over the keys
     [raw tokens a-local+1 .. b-1 | sink | entries visible to the block's last query], under an additive
     float mask (the CPU kernel takes a float mask at no extra cost, a boolean one at twice the time).  Keys, values
-    and mask live in buffers filled once: per block only the raw keys and the changing mask columns are
-    rewritten (entries visible to every query of the block stay at 0).  Head-staggered
-    entries (B, 1, N, D) fill every KV head's slots, masked for all but their owner.  The sink is a key of zeros
-    (logit 0) whose per-head mask value is the sink logit, with a zero value.
+    and mask live in buffers filled once: per block only the raw keys and the changing mask columns are rewritten
+    (entries visible to every query of the block stay at 0).  Head-staggered entries (B, 1, N, D) fill every KV
+    head's slots, masked for all but their owner.  The sink: a zero key and value whose per-head mask is its logit.
     """
     if _parts_pay(q, vis) and not _records_grad(q, k_all, v_all, vis.entries_k, vis.entries_v, sink):
-        return attention_by_parts(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block)
+        return attention_by_parts(q, q_pos, k_all, v_all, k_pos, local=local, vis=vis, sink=sink, tail=tail,
+                                  block=block)
     B, KVH, G, Tq, D = q.shape
     H = KVH * G
     qh = q.reshape(B, H, Tq, D)  # (B, H, Tq, D): query head h = kvh * G + g
@@ -204,7 +204,7 @@ def regular_entries(vis: Visible) -> bool:
     return bool(step > 0) and torch.equal(ends, ends[0] + step * torch.arange(ends.shape[0]))
 
 
-def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k_pos: torch.Tensor,
+def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, k_pos: torch.Tensor, *,
           local: int, tail: tuple[int, int] | None, block: int, out: torch.Tensor) -> torch.Tensor:
     """The raw local window part of `attention_by_parts`: queries q (B, KVH, G, Tq, D) at q_pos, whose raw
     keys are k_all[:, :, i .. i+local-1] for query i; per block of queries one masked flash call (the mask
@@ -241,8 +241,8 @@ class Part:
     lse: torch.Tensor
 
 
-def _entries_by_rows(q: torch.Tensor, lo: int, t0: int, e0: int, stride: int, ek: torch.Tensor,
-                     ev: torch.Tensor) -> Iterator[Part]:
+def _entries_by_rows(q: torch.Tensor, ek: torch.Tensor, ev: torch.Tensor, *, lo: int, t0: int, e0: int,
+                     stride: int) -> Iterator[Part]:
     """Attention of the call's queries q (B, KVH, G, n, D) at positions t0 - lo .. over the entries they may
     read (queries before lo read none; t0 >= e0), entry j ending at e0 + j * stride: the query at t reads
     entries 0..m with m = (t - e0) // stride, its ROW.  Per block of ENTRY_ROWS rows (ENTRY_ROWS * stride
@@ -277,7 +277,7 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: Part) -> None:
 
 
 def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                       k_pos: torch.Tensor, local: int, vis: Visible, sink: torch.Tensor | None,
+                       k_pos: torch.Tensor, *, local: int, vis: Visible, sink: torch.Tensor | None,
                        tail: tuple[int, int] | None, block: int) -> torch.Tensor:
     """`windowed_attention` without autograd for entries on a regular grid and no selection (`regular_entries`):
     the softmax over (raw local window | entries | sink) computed as separate flash-attention parts merged by
@@ -292,10 +292,12 @@ def attention_by_parts(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
     e0 = int(vis.entries_end[0]) if n_total else 0
     # one entry: every query of this call is in row 0 (reads entry 0 only)
     stride = int(vis.entries_end[1] - vis.entries_end[0]) if n_total > 1 else int(q_pos[-1]) + 1
-    band_lse = _band(q, q_pos.to(k_pos.device), k_all, v_all, k_pos, local, tail, min(block, BAND_BLOCK), out)
+    band_lse = _band(q, q_pos.to(k_pos.device), k_all, v_all, k_pos, local=local, tail=tail,
+                     block=min(block, BAND_BLOCK), out=out)
     t0 = max(int(q_pos[0]), e0)  # the first query that reads an entry
     if n_total and t0 <= int(q_pos[-1]):
-        for part in _entries_by_rows(q, t0 - int(q_pos[0]), t0, e0, stride, vis.entries_k, vis.entries_v):
+        for part in _entries_by_rows(q, vis.entries_k, vis.entries_v, lo=t0 - int(q_pos[0]), t0=t0, e0=e0,
+                                     stride=stride):
             _merge_into(out, band_lse, part)
             del part  # one part's output alive at a time
     _rescale_by_sink(out, band_lse, sink)
@@ -312,7 +314,7 @@ def _rescale_by_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | 
 
 
 def attention_over_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, shared_ok: torch.Tensor,
-                          own_k: torch.Tensor, own_v: torch.Tensor, own_ok: torch.Tensor,
+                          *, own_k: torch.Tensor, own_v: torch.Tensor, own_ok: torch.Tensor,
                           sink: torch.Tensor | None) -> torch.Tensor:
     """Attention of query rows that continue a shared, read-only cache (`KVCache.shared`): the R = C * n rows
     b*n .. b*n+n-1 continue cached context b.  q (R, KVH, G, T, D); shared_k, shared_v (C, KVH, M, D) what the
@@ -346,7 +348,7 @@ def attention_over_shared(q: torch.Tensor, shared_k: torch.Tensor, shared_v: tor
     return o_s
 
 
-def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, local, vis, sink, tail, block=None):
+def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, *, local, vis, sink, tail, block=None):
     """Per-query loop over explicitly listed visible keys: the oracle for `windowed_attention`."""
     B, KVH, G, Tq, D = q.shape
     out = torch.zeros_like(q)

@@ -78,6 +78,14 @@ def write_jsonl(path: Path, rows: Any, *, sort_keys: bool = False) -> Path:
     return path
 
 
+def append_jsonl(path: Path, row: Any, *, sort_keys: bool = False) -> Path:
+    """`row` as one more JSON line at the end of `path` (a log that grows: a kill leaves at most a torn last line,
+    which its readers skip)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, sort_keys=sort_keys) + "\n")
+    return path
+
+
 MARKER = ".phasekv-output"  # every directory `output_dir` publishes holds this file: --force replaces only those
 _RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h)
 # PHASEKV_RENAME_EXCHANGE=0 takes the two-rename path (for file systems that refuse the exchange; and its tests)

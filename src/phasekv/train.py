@@ -8,48 +8,39 @@ The loss of a step is the token mean over the whole global batch (all micro-batc
 each micro-batch contributes sum(token losses) / (global supervised tokens), so 1 and N processes
 optimize the same objective on the same data, and a resumed run reproduces an uninterrupted one.
 
-Run directory: config.json (the resolved experiment), metrics.jsonl (one JSON line per logged
-step), checkpoints/step_NNNNNN/ (model, optimizer and trainer state, gate snapshot), latest,
-gates/step_NNNNNN.safetensors (every checkpoint's gate parameters, for gate trajectories).
+The run directory (config.json, metrics.jsonl, checkpoints, the latest pointer, resume, final/) is
+`phasekv.rundir`; this module is the loop that fills it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from phasekv import distributed, families, indexer
-from phasekv.checkpoint import (
-    CONFIG_FILE,
-    MODEL_FILE,
-    latest_checkpoint,
-    load_tensors,
-    load_weights,
-    save_checkpoint,
-)
-from phasekv.compression import compressor_parameters, compressors_of, shifted_windows
-from phasekv.config import Experiment, TrainConfig, parse_json
+from phasekv.compression import compressors_of, shifted_windows
+from phasekv.config import Experiment, TrainConfig
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
-from phasekv.outputs import recover, write_atomic, write_json
+from phasekv.rundir import (  # noqa: F401 (check_resume_config, read_metrics: re-exported, their old home)
+    append_metrics,
+    check_resume_config,
+    ensure_final,
+    latest_name,
+    open_run,
+    read_metrics,
+    save_step,
+    write_final,
+)
 
 log = logging.getLogger(__name__)
-
-
-def gate_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every compressor parameter (gates, biases, payload maps): the gate-trajectory snapshot."""
-    return {n: p.detach().clone().cpu() for n, p in compressor_parameters(families.unwrap(model)).items()}
 
 
 def token_losses(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,163 +87,6 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=False)
 
 
-def _save(run: Path, step: int, model, optimizer, exp: Experiment, vocab: Vocabulary) -> None:
-    name = f"step_{step:06d}"
-    gates = gate_parameters(model)
-    opt_tensors, opt_meta = _optimizer_to_tensors(optimizer)
-    save_checkpoint(run / "checkpoints" / name, model, {**exp.tree, "vocab": vocab.to_dict()},
-                    extra_tensors={"optimizer.safetensors": opt_tensors, **({"gates.safetensors": gates}
-                                                                              if gates else {})},
-                    extra_json={"trainer_state.json": {"step": step, "optimizer": opt_meta}})
-    if gates:
-        (run / "gates").mkdir(exist_ok=True)
-        write_atomic(run / "gates" / f"{name}.safetensors",
-                     (run / "checkpoints" / name / "gates.safetensors").read_bytes())
-    write_atomic(run / "latest", name + "\n")
-    for old in _kept_checkpoints(run)[:-exp.train.keep_checkpoints]:
-        # renamed out of the kept set first, so a kill while deleting never leaves a half checkpoint
-        # that resume could fall back to
-        os.replace(old, old.with_name(old.name + ".deleting"))
-    for trash in (run / "checkpoints").glob("step_*.deleting"):  # this save's, and any a kill left
-        shutil.rmtree(trash)
-
-
-def _kept_checkpoints(run: Path) -> list[Path]:
-    """Complete checkpoint directories of a run, oldest first."""
-    folder = run / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step_")
-                  and p.name[5:].isdigit())
-
-
-def _optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    state = optimizer.state_dict()
-    tensors, meta = {}, {"param_groups": state["param_groups"], "scalars": {}}
-    for pid, s in state["state"].items():
-        for key, value in s.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{pid}.{key}"] = value
-            else:
-                meta["scalars"][f"{pid}.{key}"] = value
-    return tensors, meta
-
-
-def _optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    state: dict[int, dict[str, Any]] = {}
-    for name, value in tensors.items():
-        pid, key = name.split(".", 1)
-        state.setdefault(int(pid), {})[key] = value
-    for name, value in meta["scalars"].items():
-        pid, key = name.split(".", 1)
-        state.setdefault(int(pid), {})[key] = value
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-
-def _read_state(ck: Path) -> dict[str, Any]:
-    """A checkpoint's trainer state, fully validated (nothing is changed before this succeeds)."""
-    state = parse_json((ck / "trainer_state.json").read_text(errors="replace"), f"checkpoint {ck}: trainer_state.json")
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool) \
-            or state["step"] < 0 or not isinstance(state.get("optimizer"), dict):
-        raise ValueError(f"checkpoint {ck}: trainer_state.json needs an integer 'step' >= 0 and an 'optimizer' "
-                         "mapping")
-    return state
-
-
-def _load_resume_point(run: Path, model, optimizer) -> int:
-    """Load the newest readable checkpoint of `run` into model and optimizer; its step.  An unreadable
-    newest checkpoint falls back to the previous kept one, with a warning."""
-    newest = latest_checkpoint(run) if (run / "latest").is_file() else None  # the pointer may be lost
-    candidates = ([newest] if newest else []) + [p for p in reversed(_kept_checkpoints(run)) if p != newest]
-    errors = []
-    for ck in candidates:
-        try:
-            state = _read_state(ck)
-            weights = load_tensors(ck / MODEL_FILE)
-            opt = load_tensors(ck / "optimizer.safetensors")
-            load_weights(model, weights, ck)
-            _optimizer_from_tensors(optimizer, opt, state["optimizer"])
-        except (ValueError, OSError, KeyError) as exc:
-            errors.append(f"{ck.name}: {exc}")
-            continue
-        if errors:  # warn only when a fallback succeeded; a total failure is the one error line below
-            log.warning("resuming from %s: newer checkpoints were unreadable (%s)", ck.name, "; ".join(errors)[:300])
-        return state["step"]
-    raise ValueError(f"--resume {run}: no readable checkpoint ({'; '.join(errors)[:300]})")
-
-
-def check_resume_config(run: Path, exp: Experiment) -> None:
-    """The resolved experiment must match the run's: model and data exactly, train except the fields
-    that may change on resume (TrainConfig.RESUMABLE)."""
-    saved = parse_json((run / CONFIG_FILE).read_text(errors="replace"), f"run {run}: {CONFIG_FILE}")
-    if not isinstance(saved, dict):
-        raise ValueError(f"run {run}: {CONFIG_FILE} is not a mapping")
-    saved = Experiment.from_tree({k: v for k, v in saved.items() if k != "vocab"}).tree  # resolved like exp
-    for section in ("model", "data", "train"):
-        old, new = _leaves(saved.get(section, {}), section), _leaves(exp.tree[section], section)
-        for key in sorted(set(old) | set(new)):
-            if section == "train" and key[len("train."):] in TrainConfig.RESUMABLE:
-                continue
-            if old.get(key) != new.get(key):
-                parts = key.split(".")  # model.compressors.NAME.OPTION is usually set as model.OPTION
-                name = f"{key} (set as model.{parts[3]})" if parts[1:2] == ["compressors"] else key
-                raise ValueError(f"--resume: {name} is {new.get(key)!r} but the run was trained with "
-                                 f"{old.get(key)!r}; only train.{', train.'.join(TrainConfig.RESUMABLE)} may change")
-
-
-def _leaves(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """Nested config sections as {"a.b.c": value}, so a difference is named down to its field."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_leaves(value, f"{prefix}.{key}"))
-        else:
-            out[f"{prefix}.{key}"] = value
-    return out
-
-
-def _prepare_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool, dd, model, optimizer) -> int:
-    """Create or reopen the run directory; the step to start from.  `tree` is the config.json content."""
-    # a lost `latest` pointer never restarts a run that has checkpoints: resume from the newest readable one
-    if resume and ((run / "latest").is_file() or _kept_checkpoints(run)):
-        check_resume_config(run, exp)
-        start = _load_resume_point(run, model, optimizer)
-        if dd.main:
-            _truncate_metrics(run / "metrics.jsonl", start)
-            log.info("resumed %s at step %d", run, start)
-        return start
-    # rank 0 checks and creates the run directory; every rank stops on its verdict (no rank is left
-    # waiting in a collective for a rank 0 that has given up)
-    problem = None
-    if dd.main:
-        try:
-            _create_run(run, exp, tree, resume)
-        except ValueError as exc:
-            problem = str(exc)
-    problem = dd.broadcast_object(problem)
-    if problem:
-        raise ValueError(problem)
-    return 0
-
-
-def _create_run(run: Path, exp: Experiment, tree: dict[str, Any], resume: bool) -> None:
-    """A new run directory.  config.json is written before anything else, so `--resume` can tell a
-    run killed before its first checkpoint (config.json, no `latest`: it starts again from step 0)
-    from a foreign directory."""
-    if (run / "latest").exists():
-        raise ValueError(f"--out {run}: already holds a run; pass --resume to continue it or choose a new dir")
-    if resume and (run / CONFIG_FILE).is_file():
-        check_resume_config(run, exp)
-        log.warning("--resume %s: the run has no checkpoint yet; starting it again from step 0", run)
-    elif run.exists() and (not run.is_dir() or any(not (resume and p.name.endswith(".tmp")) for p in run.iterdir())):
-        raise ValueError(f"--out {run}: exists and is not an empty directory (and holds no checkpoint); "
-                         "choose a new directory")
-    run.mkdir(parents=True, exist_ok=True)
-    write_json(run / CONFIG_FILE, tree, atomic=True)
-    write_atomic(run / "metrics.jsonl", "")
-
-
 def _check_trainable(model: torch.nn.Module, exp: Experiment, vocab: Vocabulary) -> None:
     if vocab.size > exp.model.vocab_size:
         raise ValueError(f"model.vocab_size: {exp.model.vocab_size} is smaller than the data vocabulary ({vocab.size})")
@@ -279,14 +113,13 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     model = model.to(dd.device)
     optimizer = build_optimizer(model, cfg)
     tree = {**exp.tree, "vocab": vocab.to_dict()}
-    start = _prepare_run(run, exp, tree, resume, dd, model, optimizer)
-    if dd.main and start:
-        write_json(run / CONFIG_FILE, tree, atomic=True)  # records the train fields changed on resume
+    start = open_run(run, exp, tree=tree, resume=resume, dd=dd, model=model, optimizer=optimizer)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
-    last = _train_loop(ddp, model, optimizer, stream, exp, vocab, run, start, dd, progress)
+    last = _train_loop(ddp, model, optimizer, stream, exp=exp, tree=tree, run=run, start=start, dd=dd,
+                       progress=progress)
     if dd.main:
-        _ensure_final(run, model, exp, vocab)
+        ensure_final(run, model, tree, getattr(torch, cfg.save_dtype))
     dd.barrier()
     return last
 
@@ -299,7 +132,7 @@ def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     return [g for g in ([p for p in model.parameters() if id(p) not in ids], own) if g]
 
 
-def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float, dense: bool = False
+def _train_step(ddp, model, optimizer, parts, *, cfg: TrainConfig, dd, lr: float, dense: bool = False
                 ) -> tuple[float, int, float | None]:
     """One optimizer step over the micro-batches `parts`; (global mean LM loss, tokens seen by all ranks, mean
     indexer loss or None for a model without an indexer).  `dense`: the indexers' dense warm-up (every candidate
@@ -332,8 +165,10 @@ def _train_step(ddp, model, optimizer, parts, cfg: TrainConfig, dd, lr: float, d
     return loss_value, tokens, aux_total
 
 
-def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path, start: int, dd,
+def _train_loop(ddp, model, optimizer, stream, *, exp: Experiment, tree: dict, run: Path, start: int, dd,
                 progress: bool) -> dict[str, float]:
+    """Steps `start`..train.steps of `exp`, logging, validating and checkpointing into `run` (whose config.json
+    holds `tree`); the last logged metrics."""
     cfg = exp.train
     val_batches = stream.validation_set(cfg.eval_sequences, batch_size=min(64, cfg.eval_sequences))
     micro = cfg.batch_size // (dd.world * cfg.grad_accum)
@@ -348,14 +183,13 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
         shift = int(torch.randint(0, 1 << 30, (1,), generator=torch.Generator().manual_seed(cfg.seed + step))
                     ) if cfg.window_jitter else 0
         with shifted_windows(families.unwrap(model), shift):
-            loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg, dd, cfg.lr_at(step),
-                                                         dense=step < cfg.indexer_dense_steps)
+            loss_value, tokens, aux_value = _train_step(ddp, model, optimizer, parts, cfg=cfg, dd=dd,
+                                                         lr=cfg.lr_at(step), dense=step < cfg.indexer_dense_steps)
         tokens_since += tokens
         if not math.isfinite(loss_value):
             bar.close()
-            kept = (run / "latest").read_text().strip() if (run / "latest").exists() else "none"
             raise ValueError(f"loss became non-finite ({loss_value}) at step {step}; stopped. Last good checkpoint "
-                             f"kept: {kept} in {run}")
+                             f"kept: {latest_name(run)} in {run}")
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps or done % cfg.eval_every == 0:
             now = time.perf_counter()
@@ -366,69 +200,15 @@ def _train_loop(ddp, model, optimizer, stream, exp: Experiment, vocab, run: Path
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 row.update(evaluate_validation(model, val_batches, dd.device))
             if dd.main:
-                with open(run / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_metrics(run, row)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 **({"val_acc": f"{row['val_lookup_acc']:.3f}"} if "val_lookup_acc" in row else {}))
             last = row
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             if dd.main:
-                _save(run, done, model, optimizer, exp, vocab)
+                save_step(run, done, model, optimizer, tree=tree, keep=cfg.keep_checkpoints)
                 if done == cfg.steps:
-                    _write_final(run, model, exp, vocab)
+                    write_final(run, model, tree, getattr(torch, cfg.save_dtype))
             dd.barrier()
     bar.close()
     return last
-
-
-def _write_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
-    save_checkpoint(run / "final", model, {**exp.tree, "vocab": vocab.to_dict()},
-                    dtype=getattr(torch, exp.train.save_dtype))
-
-
-def _ensure_final(run: Path, model, exp: Experiment, vocab: Vocabulary) -> None:
-    """A run that reached its last step always ends with the final/ of that step: a kill between the
-    last checkpoint and final/, or while final/ was replaced, is repaired here on --resume; so is a
-    final/ left by an earlier, shorter run (resumed with a larger train.steps)."""
-    final = run / "final"
-    recover(final)
-    tree = {**exp.tree, "vocab": vocab.to_dict()}
-    try:
-        current = (final / MODEL_FILE).is_file() and json.loads((final / CONFIG_FILE).read_text()) == \
-            json.loads(json.dumps(tree))
-    except (OSError, ValueError):
-        current = False
-    if not current:
-        _write_final(run, model, exp, vocab)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metrics rows of steps <= `step`; a torn (half-written) line is dropped with a warning."""
-    if not path.exists():
-        return
-    rows = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            keep = row["step"] <= step
-        except (json.JSONDecodeError, KeyError, TypeError):
-            log.warning("%s: line %d is torn or malformed; dropped", path, i + 1)
-            continue
-        if keep:
-            rows.append(line)
-    write_atomic(path, "".join(r + "\n" for r in rows))
-
-
-def read_metrics(run: str | Path) -> list[dict[str, Any]]:
-    path = Path(run) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-    return rows

@@ -22,7 +22,6 @@ work directory as they are computed (features.safetensors), so a killed run resu
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -38,7 +37,7 @@ from phasekv.adapters.indexers import CONFIG_FILE, WEIGHTS_FILE, build_glm_index
 from phasekv.adapters.selection import SelectionSpec, candidate_pools, select_pools
 from phasekv.archs.base import text_config
 from phasekv.indexer import kl_to_attention
-from phasekv.outputs import write_atomic
+from phasekv.outputs import write_json
 
 log = logging.getLogger(__name__)
 FEATURES_FILE = "features.safetensors"  # the frozen model's hidden states and attention mass, kept for a resume
@@ -237,5 +236,5 @@ def train_indexer(model, tokenizer, out: Path, cfg: IndexerTraining, *, model_na
               "held_out_before": before, "held_out_after": after, "curve": curve,
               "elapsed_s": {"features": round(features_s, 1), "total": round(time.perf_counter() - started, 1)},
               "threads": torch.get_num_threads()}
-    write_atomic(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_json(out / CONFIG_FILE, config, atomic=True)
     return config

@@ -43,7 +43,8 @@ from phasekv.adapters.base import Adapter, ModelInfo
 from phasekv.archs import architecture_of
 from phasekv.archs.base import text_config
 from phasekv.distributed import resolve_device
-from phasekv.families import GIB, available_memory, check_fits
+from phasekv.families import check_fits
+from phasekv.memory import check_budget
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 PACKED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # classes tests/test_multiquery.py checks the packed layout on
@@ -165,11 +166,8 @@ class HFAdapter(Adapter):
         dtype = next(self.module.parameters()).dtype
         eager = getattr(self.module.config, "_attn_implementation", None) == "eager"
         need = forward_bytes(self.module.config, length, rows, torch.finfo(dtype).bits // 8, eager)
-        have = available_memory()
-        if need > have:
-            raise ValueError(f"context: a forward of {rows} x {length} tokens of {self.info.name} needs about "
-                             f"{need / GIB:.1f} GiB, only {have / GIB:.1f} GiB of memory is available; lower "
-                             "--batch-size or the prompt length")
+        check_budget(need, f"context: a forward of {rows} x {length} tokens of {self.info.name}", device=self.device,
+                     advice="lower --batch-size or the prompt length")
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, prefix: int = 0):

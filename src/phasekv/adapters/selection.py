@@ -384,13 +384,12 @@ class SelectionAdapter(Wrapped):
 
     def _forward(self, ids: torch.Tensor, keep: int, record: bool = False):
         from phasekv.adapters.hf import forward_bytes
-        from phasekv.families import GIB, available_memory
+        from phasekv.memory import check_budget
 
         dtype = next(self.module.parameters()).dtype
         need = forward_bytes(self.module.config, ids.shape[1], ids.shape[0], torch.finfo(dtype).bits // 8, True)
-        if need > available_memory():
-            raise ValueError(f"context: a selection forward of {ids.shape[0]} x {ids.shape[1]} tokens needs about "
-                             f"{need / GIB:.1f} GiB, more than is available; lower --batch-size")
+        check_budget(need, f"context: a selection forward of {ids.shape[0]} x {ids.shape[1]} tokens",
+                     device=self.device, advice="lower --batch-size")
         with torch.no_grad(), selecting(self.module, self.spec, self.indexer, record=record) as state:
             logits = self.module(input_ids=ids.to(self.device), use_cache=False, logits_to_keep=keep).logits
         return (logits, state.recorded) if record else logits

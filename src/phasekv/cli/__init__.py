@@ -8,9 +8,9 @@ violated expectation for a run that missed its `--expect` gate, `GateFailed`), n
 it); a failure of phasekv itself (RuntimeError, MemoryError, a TypeError ...) is one line
 that says "internal error" and asks for a rerun with -v, exit status 1, so a bug never looks like the user's fault;
 under torchrun only rank 0 prints it.  An --out that is, holds or lies inside an input is refused before anything
-runs, as is an empty --out.  Work is bounded: `check_budget` refuses, in one line that states the budget, settings
-whose memory (estimated from the settings alone) would not fit.  --no-progress also silences the progress bars of
-the libraries under phasekv (transformers' weight loading and GGUF de-quantizing).
+runs, as is an empty --out.  Work is bounded: `phasekv.memory.check_budget` refuses, in one line that states the
+budget, settings whose memory (estimated from the settings alone) would not fit.  --no-progress also silences the
+progress bars of the libraries under phasekv (transformers' weight loading and GGUF de-quantizing).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+
+from phasekv.memory import check_budget  # noqa: F401 (re-exported: its old home)
 
 # seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
 # printed, when rank 1 failed first)
@@ -64,25 +66,6 @@ INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "config
 POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
 # inputs that are files (a directory there is refused by the command itself)
 FILE_INPUTS = ("config", "format", "expect", "engine_model")
-
-
-def check_budget(need: int, what: str, device: str = "cpu", advice: str = "") -> None:
-    """Refuse, before it is allocated, work that needs at least `need` bytes when that is more than the memory free
-    now on `device`: MemAvailable for the CPU (`phasekv.families.available_memory`), the free memory of a GPU.
-    One line naming `what`, the need, the budget and `advice`."""
-    from phasekv.distributed import resolve_device
-    from phasekv.families import GIB, available_memory
-
-    target = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)))
-    if target.type == "cuda":
-        import torch
-
-        have, budget = torch.cuda.mem_get_info(target)[0], f"free on {target}"
-    else:
-        have, budget = available_memory(), "of memory available now (MemAvailable)"
-    if need > have:
-        raise ValueError(f"{what}: needs at least {need / GIB:.1f} GiB, more than the {have / GIB:.1f} GiB {budget}"
-                         f"{'; ' + advice if advice else ''}")
 
 
 def check_inputs_untouched(args: argparse.Namespace) -> None:

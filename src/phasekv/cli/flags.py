@@ -171,6 +171,7 @@ def prompts_at_least(cfg) -> int:
 def check_prompt_count(prompts: int, flags: str = "--clusters, --targets-per-context, --residue-modulus") -> None:
     """Refuse, before anything is built, a prompt set whose bookkeeping alone (PROMPT_BYTES a prompt) exceeds the
     memory available now; `flags`: those that set its size."""
-    from phasekv.cli import check_budget
+    from phasekv.memory import check_budget
 
-    check_budget(prompts * PROMPT_BYTES, f"prompt set: {prompts:,} prompts or more", advice=f"lower {flags}")
+    check_budget(prompts * PROMPT_BYTES, f"prompt set: {prompts:,} prompts or more", bound="at least",
+                 advice=f"lower {flags}")

@@ -32,4 +32,5 @@ def run(args) -> dict[str, Any]:
     check_positive(args, "prompts", "top")
     source, cfg = source_and_config(args)
     with output_dir(args.out, args.force) as tmp:
-        return gates_on(source, cfg, tmp, args.prompts, args.top, args.trajectory, not args.no_progress)
+        return gates_on(source, cfg, tmp, n_prompts=args.prompts, top=args.top, trajectory=args.trajectory,
+                        progress=not args.no_progress)

@@ -32,5 +32,5 @@ def run(args) -> dict[str, Any]:
     check_positive(args, "calib_prompts")
     source, cfg = source_and_config(args)
     with output_dir(args.out, args.force) as tmp:
-        return run_knockout_on(source, cfg, tmp, args.whole_layer, args.calib_prompts, args.calib_seed,
-                               not args.no_progress)
+        return run_knockout_on(source, cfg, tmp, whole_layer=args.whole_layer, calib_prompts=args.calib_prompts,
+                               calib_seed=args.calib_seed, progress=not args.no_progress)

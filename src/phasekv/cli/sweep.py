@@ -33,5 +33,6 @@ def run(args) -> dict[str, Any]:
 
     source = Source(checkpoint=args.checkpoint, hf=args.hf)
     with output_dir(args.out, args.force) as tmp:
-        return sweep_source(source, args.text, args.a, args.b, tmp, args.filler, args.prefix, args.max_filler,
-                            args.max_period, args.device, args.dtype, not args.no_progress)
+        return sweep_source(source, args.text, args.a, args.b, tmp, filler=args.filler, prefix=args.prefix,
+                            max_filler=args.max_filler, max_period=args.max_period, device=args.device,
+                            dtype=args.dtype, progress=not args.no_progress)

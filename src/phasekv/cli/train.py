@@ -2,7 +2,7 @@
 
 Before anything is allocated, a config whose training step would not fit in memory is refused in one line:
 `activation_bytes` (a lower bound of what one micro-batch's step holds at once) against the memory free
-on the training device (`phasekv.cli.check_budget`); the weights have their own check (`families.check_fits`)."""
+on the training device (`phasekv.memory.check_budget`); the weights have their own check (`families.check_fits`)."""
 
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def activation_bytes(exp: Experiment, world: int = 1) -> tuple[int, int]:
 def run(args) -> None:
     import torch.distributed as dist
 
-    from phasekv.cli import check_budget
+    from phasekv.memory import check_budget
     from phasekv.train import train
 
     exp = Experiment.from_file(args.config, args.overrides)
     micro, need = activation_bytes(exp, int(os.environ.get("WORLD_SIZE", 1)))
-    check_budget(need, f"train: a micro-batch of {micro:,} sequences of {exp.data.seq_len} tokens", exp.train.device,
-                 "lower train.batch_size or raise train.grad_accum")
+    check_budget(need, f"train: a micro-batch of {micro:,} sequences of {exp.data.seq_len} tokens",
+                 device=exp.train.device, bound="at least", advice="lower train.batch_size or raise train.grad_accum")
     try:
         train(exp, args.out, resume=args.resume, progress=not args.no_progress)
     finally:

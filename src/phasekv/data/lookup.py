@@ -85,7 +85,7 @@ class Layout(NamedTuple):
 
 
 def assemble(bos: int, keys: np.ndarray, values: np.ndarray, gaps: list[int], fillers: np.ndarray,
-             queries: list[int], header: list[int] = (), tail: list[int] = (),
+             queries: list[int], *, header: list[int] = (), tail: list[int] = (),
              haystack: list[list[int]] | None = None) -> Layout:
     """<bos> header, then record i preceded by gaps[i] fillers, gaps[N] fillers, tail, then the queried
     records.

@@ -249,7 +249,7 @@ def _check_arguments(protocol: str, **ints: int) -> None:
             raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
 
 
-def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demos: int = 8, stride: int = 8,
+def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_demos: int = 8, stride: int = 8,
                    residue_modulus: int = 24, n_clusters: int | None = None,
                    targets_per_context: int | None = None, local_window: int = 16, key_tokens: int = 1,
                    value_tokens: int = 1, insequence_gap: int = 1, seed: int = 0) -> EvalSet:
@@ -299,8 +299,9 @@ def build_eval_set(vocab: Vocabulary, protocol: str, n_records: int = 64, n_demo
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
-    targets = _design_targets(R, g, pitch, rec, lead, first, starts, n_records, n_clusters, t, query_position,
-                              local_window, np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
+    targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
+                              n_clusters=n_clusters, t=t, query_position=query_position, local_window=local_window,
+                              rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
 
     geo = _Geometry(protocol, R, stride, g, gap, pitch, rec, lead, header, tail, fillers_total, query_position,
                     local_window, n_records, n_demos, key_tokens, value_tokens, seed, _TAG[protocol], spacer)
@@ -355,7 +356,8 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
         else:
             gaps = _insequence_gaps(np.random.default_rng([geo.seed, geo.tag, _CONTEXT, c, s]), target_records,
                                     geo.n_records, f + s, geo.gap, geo.fillers_total)
-        layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, geo.header, geo.tail, haystack)
+        layout = assemble(vocab.bos, keys, values, gaps, fillers, demos, header=geo.header, tail=geo.tail,
+                          haystack=haystack)
         if len(layout.ids) + geo.key_tokens - 1 != query_position:
             raise AssertionError(f"internal: context {s} of cluster {c} puts the query at {len(layout.ids)}")
         queries = []
@@ -400,7 +402,7 @@ def _exact_class_size(starts: list[int], step: int) -> int:
     return step // math.gcd(step, common)
 
 
-def _design_targets(R: int, g: int, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
+def _design_targets(R: int, g: int, *, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
                     n_records: int, n_clusters: int, t: int, query_position: int, local_window: int,
                     rng: np.random.Generator) -> list[list[int]]:
     """Target record indices of every cluster, sorted; see the module docstring."""

@@ -174,9 +174,9 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
     contrast_reps = _split_bootstrap(kc, nc, n_boot, contrast_rng)
     crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
-    flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R, S, n_perm, perm_rng)
-    within_p = (_flatness_test(cluster_idx, residue, correct, R, S, n_perm, within_rng, swap=False)[0] if within
-                else None)
+    flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=perm_rng)
+    within_p = (_flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=within_rng,
+                               swap=False)[0] if within else None)
     period, scores = detect_period(k, n)
     k_phase, n_phase = k.reshape(R // S, S).sum(0), n.reshape(R // S, S).sum(0)
     acc, acc_phase = k / n, k_phase / n_phase
@@ -392,7 +392,7 @@ def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
     return terms.sum(-1)
 
 
-def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, R: int, stride: int,
+def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, *, R: int, stride: int,
                    n_perm: int, rng: np.random.Generator, swap: bool = True) -> tuple[float, float]:
     """Cluster permutation p-value of "accuracy equal in all residue groups", and the null gap p95.
 

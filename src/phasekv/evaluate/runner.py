@@ -118,17 +118,17 @@ def predict(adapter: Adapter, eval_set: EvalSet, batch_size: int = 32, multi_que
     return records
 
 
-def evaluate(adapter: Adapter, eval_set: EvalSet, out: str | Path | None = None, batch_size: int = 32,
+def evaluate(adapter: Adapter, eval_set: EvalSet, out: str | Path | None = None, batch_size: int = 32, *,
              multi_query: bool = True, seed: int = 0, n_boot: int = 2000, progress: bool = True,
              extra: dict[str, Any] | None = None, figures: bool = True) -> dict[str, Any]:
     """Predict, summarize and (with `out`) write metrics.json, predictions.jsonl and (with `figures`)
     accuracy_by_residue.png."""
     records = predict(adapter, eval_set, batch_size, multi_query, progress, desc=f"eval {eval_set.protocol}")
-    return write_run(adapter, eval_set, records, out, seed, n_boot, extra, figures=figures)
+    return write_run(adapter, eval_set, records, out, seed, n_boot=n_boot, extra=extra, figures=figures)
 
 
 def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]], out: str | Path | None,
-              seed: int = 0, n_boot: int = 2000, extra: dict[str, Any] | None = None,
+              seed: int = 0, *, n_boot: int = 2000, extra: dict[str, Any] | None = None,
               judge: Callable[[dict, float, float], dict] = task_verdict, figures: bool = True) -> dict[str, Any]:
     """metrics.json (statistics + position matching + settings + `judge`'s chance and verdict),
     predictions.jsonl and (with `figures`) the figure."""
@@ -151,7 +151,7 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
     })
     if eval_set.protocol == "query":  # the query-phase curve, its verdict and the source x query phase cells
         metrics.update(query_phase_statistics(records, eval_set.stride, eval_set.residue_modulus, eval_set.chance,
-                                              eval_set.in_context_chance, judge, n_boot, seed))
+                                              eval_set.in_context_chance, judge=judge, n_boot=n_boot, seed=seed))
         metrics["query_position_matching"] = eval_set.matching_stats(coordinate="query")
     if out is not None:
         out = Path(out)

@@ -121,7 +121,7 @@ def continuation_logprobs(adapter: Adapter, prompt: Sequence[int],
             for c in candidates]
 
 
-def _check_sweep(adapter: Adapter, prefix_ids: list[int], filler_id: int, text_ids: list[int], a_ids: list[int],
+def _check_sweep(adapter: Adapter, *, prefix_ids: list[int], filler_id: int, text_ids: list[int], a_ids: list[int],
                  b_ids: list[int], max_filler: int) -> None:
     prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
     for name, ids in (("text", text_ids), ("a", a_ids), ("b", b_ids)):
@@ -139,7 +139,7 @@ def _check_sweep(adapter: Adapter, prefix_ids: list[int], filler_id: int, text_i
 
 
 
-def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_ids: Sequence[int], filler_id: int,
+def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], *, prefix_ids: Sequence[int], filler_id: int,
               text_ids: Sequence[int], a_ids: Sequence[int], b_ids: Sequence[int], max_filler: int,
               out_dir: str | Path | None = None, progress: bool = True, max_period: int = 16) -> dict[str, Any]:
     """Score a against b after prefix + n fillers + text for n = 0..max_filler (module docstring).
@@ -150,7 +150,8 @@ def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], prefix_i
     sweep.json and sweep.png there.
     """
     prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
-    _check_sweep(adapter, prefix_ids, filler_id, text_ids, a_ids, b_ids, max_filler)
+    _check_sweep(adapter, prefix_ids=prefix_ids, filler_id=filler_id, text_ids=text_ids, a_ids=a_ids, b_ids=b_ids,
+                 max_filler=max_filler)
     rows = []
     for n in tqdm(range(max_filler + 1), desc="sweep", unit="length", disable=not progress, leave=False):
         prompt = prefix_ids + [filler_id] * n + text_ids
@@ -203,7 +204,7 @@ def _class_means(x: np.ndarray, period: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- from a model source
 
 
-def sweep_source(source: Source, text: str, a: str, b: str, out: str | Path, filler: str | None = None,
+def sweep_source(source: Source, text: str, a: str, b: str, out: str | Path, *, filler: str | None = None,
                  prefix: str | None = None, max_filler: int = 64, max_period: int = 16, device: str = "auto",
                  dtype: str = "float32", progress: bool = True) -> dict[str, Any]:
     """`phasekv sweep` on a checkpoint (texts are words of its vocabulary) or an HF model (its tokenizer)."""
@@ -242,8 +243,8 @@ def sweep_source(source: Source, text: str, a: str, b: str, out: str | Path, fil
     prefix_ids = _encode(encode, "--prefix", prefix) if prefix is not None else default_prefix
     text_ids, a_ids, b_ids = (_encode(encode, flag, value) for flag, value in
                               (("--text", text), ("--a", a), ("--b", b)))
-    return run_sweep(adapter, decode, prefix_ids, filler_ids[0], text_ids, a_ids, b_ids, max_filler,
-                     out, progress, max_period)
+    return run_sweep(adapter, decode, prefix_ids=prefix_ids, filler_id=filler_ids[0], text_ids=text_ids, a_ids=a_ids,
+                     b_ids=b_ids, max_filler=max_filler, out_dir=out, progress=progress, max_period=max_period)
 
 
 def _encode(encode: Callable[[str], list[int]], flag: str, text: str) -> list[int]:

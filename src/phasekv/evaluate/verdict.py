@@ -143,7 +143,7 @@ def _interval(ci: list[float] | None) -> str:
 # prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
 
 def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
-                           in_context_chance: float, judge=task_verdict, n_boot: int = 2000,
+                           in_context_chance: float, *, judge=task_verdict, n_boot: int = 2000,
                            seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict[str, Any]:
     """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
     against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's

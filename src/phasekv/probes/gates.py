@@ -118,7 +118,7 @@ def gate_statistics(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[
 
 
 def gate_report(model: nn.Module | Adapter, prompt_ids: torch.Tensor | list[torch.Tensor],
-                out_dir: str | Path | None = None, top: int = 4, batch_size: int = 16,
+                out_dir: str | Path | None = None, *, top: int = 4, batch_size: int = 16,
                 progress: bool = True, figures: bool = True) -> dict[str, Any]:
     """Gate statistics of every gate, and (with `out_dir`) gates.json and (with `figures`) concentration_plane.png
     and gate_profiles.png (the `top` heads with the most concentrated key gates, value profile beside)."""
@@ -180,7 +180,7 @@ def gate_trajectory(run_dir: str | Path, prompt_ids: torch.Tensor | list[torch.T
     return write_result(out_dir, "gate_trajectory", result, plot_gate_trajectory)
 
 
-def gates_on(source: Source, cfg: EvalConfig, out_dir: str | Path, n_prompts: int = 64, top: int = 4,
+def gates_on(source: Source, cfg: EvalConfig, out_dir: str | Path, *, n_prompts: int = 64, top: int = 4,
              trajectory: bool = False, progress: bool = True) -> dict[str, Any]:
     """`phasekv gates`: gate statistics of a checkpoint on `n_prompts` lookup prompts spread over the
     eval set's clusters and shifts (and, with `trajectory`, over the run's gate snapshots)."""
@@ -189,7 +189,7 @@ def gates_on(source: Source, cfg: EvalConfig, out_dir: str | Path, n_prompts: in
     keep = np.linspace(0, len(prompts) - 1, min(n_prompts, len(prompts))).round().astype(int)
     ids = torch.tensor([prompts[i].ids for i in keep])  # (B, T)
     bs = batch_size(source, cfg)
-    result = gate_report(adapter, ids, out_dir, top, bs, progress)
+    result = gate_report(adapter, ids, out_dir, top=top, batch_size=bs, progress=progress)
     if trajectory:
         result["trajectory"] = gate_trajectory(source.checkpoint, ids, out_dir, bs, progress)
     return result

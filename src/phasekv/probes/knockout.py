@@ -108,7 +108,7 @@ def knockout_intervals(clean: list[dict], knocked: list[dict], stride: int, n_bo
             "mean_rel_change_ci_pct": nan_interval(rel), "n_boot": n_boot}
 
 
-def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_dir: str | Path | None = None,
+def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_dir: str | Path | None = None, *,
                  whole_layer: bool = False, batch_size: int = 32, progress: bool = True,
                  multi_query: bool = True, figures: bool = True) -> dict[str, Any]:
     """Knock out every (layer, KV head) (or every layer) in turn; JSON-ready results.
@@ -149,10 +149,10 @@ def run_knockout(adapter: Adapter, eval_set: EvalSet, calib_set: EvalSet, out_di
     return result
 
 
-def run_knockout_on(source: Source, cfg: EvalConfig, out_dir: str | Path, whole_layer: bool = False,
+def run_knockout_on(source: Source, cfg: EvalConfig, out_dir: str | Path, *, whole_layer: bool = False,
                     calib_prompts: int = 256, calib_seed: int | None = None, progress: bool = True) -> dict[str, Any]:
     """`phasekv knockout`: knockouts of a checkpoint or HF model on the prompt set `cfg` describes."""
     adapter, eval_set = open_source(source, cfg)
     calib = calibration_set(eval_set, calib_prompts, calib_seed)
-    return run_knockout(adapter, eval_set, calib, out_dir, whole_layer, batch_size(source, cfg), progress,
-                        not cfg.one_by_one)
+    return run_knockout(adapter, eval_set, calib, out_dir, whole_layer=whole_layer, batch_size=batch_size(source, cfg),
+                        progress=progress, multi_query=not cfg.one_by_one)

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from phasekv.outputs import write_atomic
+from phasekv.outputs import write_atomic, write_json
 from phasekv.probes.cycle_outcome import R2_FLOOR
 from phasekv.report.findings import count_line
 from phasekv.report.reasons import reason_text
@@ -297,7 +297,7 @@ def regenerate(runs: list[Path], update: Path | None = None, keep: Path | None =
             raise ValueError(f"keeping a trimmed summary takes exactly one run, got {len(summaries)}")
         summary = trim(next(iter(summaries.values())))
         keep.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(keep, json.dumps(summary, indent=1, sort_keys=True) + "\n")
+        write_json(keep, summary, indent=1, atomic=True)
         summaries = {str(keep): summary}
     block = render(summaries)
     if update is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from phasekv.config import FlowConfig, TheoryConfig
+from phasekv.theory.config import FlowConfig, TheoryConfig
 from phasekv.theory.model import (
     DTYPE,
     Assignment,

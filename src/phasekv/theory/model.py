@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phasekv.config import TheoryConfig
+from phasekv.theory.config import TheoryConfig
 
 Assignment = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 DTYPE = torch.float64
@@ -264,7 +264,7 @@ def retrieval_by_position(cfg: TheoryConfig, emb: torch.Tensor, assign: Assignme
 
 
 def reference_query_loss(emb: np.ndarray, tokens: np.ndarray, l_star: int, r_star: int, pk: np.ndarray,
-                         pv: np.ndarray, gamma: float, beta: float) -> float:
+                         pv: np.ndarray, *, gamma: float, beta: float) -> float:
     """Loss of one query by explicit loops: emb (N, d), tokens (L, S), pk, pv (m, L, S)."""
     heads, chunks, s = pk.shape
     q = emb[tokens[l_star, r_star]]
@@ -294,6 +294,6 @@ def reference_monte_carlo_loss(cfg: TheoryConfig, emb: torch.Tensor, assign: Ass
             pk, pv = assign(emb[torch.from_numpy(tokens)])
         l_star, r_star = int(rng.integers(cfg.chunks)), int(rng.integers(cfg.stride - 1))
         losses.append(reference_query_loss(e, tokens, l_star, r_star, pk.numpy(), pv.numpy(),
-                                           cfg.gamma, cfg.beta))
+                                           gamma=cfg.gamma, beta=cfg.beta))
     values = np.array(losses)
     return float(values.mean()), float(values.std(ddof=1) / math.sqrt(n_samples))

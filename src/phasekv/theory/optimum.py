@@ -104,7 +104,7 @@ def random_simplex(shape: tuple[int, ...], size: int, generator: torch.Generator
     return e / e.sum(-1, keepdim=True)
 
 
-def oracle_descent(cfg: TheoryConfig, emb: torch.Tensor, tokens: torch.Tensor, restarts: int, steps: int,
+def oracle_descent(cfg: TheoryConfig, emb: torch.Tensor, tokens: torch.Tensor, *, restarts: int, steps: int,
                    lr: float, generator: torch.Generator | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projected gradient descent over the oracle class of one context from Dirichlet(1) starts.
@@ -124,7 +124,7 @@ def oracle_descent(cfg: TheoryConfig, emb: torch.Tensor, tokens: torch.Tensor, r
         return context_loss(cfg, emb, tokens, pk, pv), pk, pv
 
 
-def theorem1_check(cfg: TheoryConfig, seed: int = 0, restarts: int = 16, steps: int = 300, lr: float = 1.0,
+def theorem1_check(cfg: TheoryConfig, seed: int = 0, restarts: int = 16, steps: int = 300, lr: float = 1.0, *,
                    n_random: int = 2000, smoothing: tuple[float, ...] = (0.0, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0)
                    ) -> tuple[dict, dict]:
     """Enumeration, descent, random and smoothed assignments on one context.
@@ -141,7 +141,7 @@ def theorem1_check(cfg: TheoryConfig, seed: int = 0, restarts: int = 16, steps: 
     adjacent, distinct = is_adjacent(enum.key_pos, enum.value_pos), is_distinct(enum.key_pos)
     log.info("theorem 1: %d one-hot assignments, optimum %.6f", len(enum.losses), best)
 
-    desc_loss, pk, pv = oracle_descent(cfg, emb, tokens, restarts, steps, lr, gen)
+    desc_loss, pk, pv = oracle_descent(cfg, emb, tokens, restarts=restarts, steps=steps, lr=lr, generator=gen)
     i = int(desc_loss.argmin())
     dk, dv = pk[i].argmax(-1), pv[i].argmax(-1)  # (m, L)
     shape = (n_random, cfg.heads, cfg.chunks)

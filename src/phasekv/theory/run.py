@@ -123,7 +123,8 @@ def beta_scan(settings: dict, gen: torch.Generator) -> list[dict]:
         tokens = sample_contexts(cfg, 1, gen)[0]
         one_hot = enumerate_one_hot(cfg, emb, tokens).losses.min().item()
         d = settings["beta_scan_descent"]
-        losses, pk, pv = oracle_descent(cfg, emb, tokens, d["restarts"], d["steps"], 1.0 / beta, gen)
+        losses, pk, pv = oracle_descent(cfg, emb, tokens, restarts=d["restarts"], steps=d["steps"], lr=1.0 / beta,
+                                        generator=gen)
         i = int(losses.argmin())
         rows.append({"beta": beta, "one_hot_optimum": one_hot, "descent_best": losses[i].item(),
                      "one_hot_is_global": bool(losses[i].item() >= one_hot - 1e-6),
