@@ -130,7 +130,8 @@ class FakeEngine:
         self.bodies.append(body)
         ids = body.get("prompt", body.get("input_ids"))
         t = self.next_token(ids)
-        top = [(t, -0.25), ((t + 1) % V, -2.0), ((t + 2) % V, -3.0)]
+        k = body.get("n_probs", body.get("logprobs", body.get("top_logprobs_num")))  # as many as asked
+        top = [(t, -0.25), *(((t + j) % V, -1.0 - j) for j in range(1, k))]
         n = len(ids) + self.extra
         if self.api == "sglang":
             return httpx.Response(200, json={"meta_info": {"prompt_tokens": n, "output_token_logprobs": [[-0.25, t,
@@ -226,7 +227,7 @@ def test_the_wrong_model_or_a_changed_prompt_is_refused():
         fake_adapter(FakeEngine(extra_prompt_tokens=1)).logits(torch.tensor([[1, 2, 3]]))
     small = EndpointAdapter("http://engine.test", "llamacpp", 100, transport=httpx.MockTransport(FakeEngine(vocab=100)))
     assert FakeEngine.next_token([1, 2, 3]) == 101
-    with pytest.raises(EndpointError, match="token id 103, outside the tokenizer's 100: wrong --tokenizer"):
+    with pytest.raises(EndpointError, match="token id 101, outside the tokenizer's 100: wrong --tokenizer"):
         small.logits(torch.tensor([[1, 2, 3]]))
     with pytest.raises(EndpointError, match="--api: must be one of"):
         EndpointAdapter("http://engine.test", "vllm", V)

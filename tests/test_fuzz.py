@@ -8,10 +8,12 @@ copy of the bundled w8s8 checkpoint, a tiny transformers model, a finished eval)
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -32,6 +35,7 @@ from phasekv import families
 from phasekv.cli import main
 from phasekv.config import MAX_CONFIG_BYTES, Experiment
 from phasekv.train import train
+from tests.test_endpoint import FakeEngine
 from tests.test_evaluate import VOCAB, _tiny_hf
 from tests.test_train import TINY
 
@@ -717,3 +721,340 @@ def test_resume_names_the_nested_field(ws: Path, capsys):
     run_copy()(ws, c)
     code = main(["train", str(ws / "tiny.yaml"), "--out", str(c / "out"), "--resume", "--set", "model.window=16"])
     assert "model.compressors.gated.window" in check_one_line(code, capsys.readouterr().err, "")
+
+
+# ----------------------------------------------------------------------------- round 4: served models
+#
+# The endpoint adapter against answers no working engine gives: a generator of broken (and harmless) variants of
+# each API's answer, run through the adapter's own HTTP path in process (httpx.MockTransport), and small loopback
+# servers for what only a socket shows (an endless body, a redirect) and for the command line end to end.
+
+V4 = 256  # the fake engines' vocabulary
+TOP_K = 8  # what EndpointAdapter asks by default
+
+
+def top_entries(t: int) -> list[tuple[int, float]]:
+    """The fake engine's top-k for greedy token t: t first, then 7 other ids, log-probabilities decreasing."""
+    return [((t + 13 * j) % V4, -0.25 - j) for j in range(TOP_K)]
+
+
+def valid_answer(flavour: str, ids: list[int]) -> tuple[dict, int]:
+    """(an answer to `ids` in the format of `flavour`, its greedy token): the formats recorded in test_endpoint."""
+    t = (sum(ids) * 7 + len(ids)) % V4
+    top, n = top_entries(t), len(ids)
+    if flavour == "llamacpp":
+        return {"content": "x", "model": "/models/fake.gguf", "tokens_evaluated": n, "stop": True,
+                "timings": {"cache_n": 0, "prompt_n": n},
+                "completion_probabilities": [{"id": t, "token": "x", "bytes": [120], "logprob": -0.25, "top_logprobs": [
+                    {"id": i, "token": "x", "bytes": [120], "logprob": lp} for i, lp in top]}]}, t
+    if flavour == "openai-llamacpp":
+        step = {"id": t, "token": "x", "bytes": [120], "logprob": -0.25,
+                "top_logprobs": [{"id": i, "token": "x", "bytes": [120], "logprob": lp} for i, lp in top]}
+        return {"choices": [{"text": "x", "index": 0, "logprobs": {"content": [step]}, "finish_reason": "length"}],
+                "model": "fake", "object": "text_completion",
+                "usage": {"prompt_tokens": n, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}, t
+    if flavour == "openai-vllm":
+        return {"choices": [{"text": "x", "index": 0, "logprobs": {
+            "tokens": [f"token_id:{t}"], "token_logprobs": [-0.25], "text_offset": [0],
+            "top_logprobs": [{f"token_id:{i}": lp for i, lp in top}]}}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}}, t
+    return {"text": "x", "output_ids": [t], "meta_info": {
+        "id": "x", "prompt_tokens": n, "completion_tokens": 1, "cached_tokens": 0,
+        "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-0.25, t, None]],
+        "output_top_logprobs": [[[lp, i, None] for i, lp in top]]}}, t
+
+
+# per flavour: the fields an answer cannot do without (ids and log-probabilities; "*": any index or key), the
+# fields read when present (prompt-token counts, cache counts), and the dicts whose keys are data (vLLM's top-k)
+REQUIRED = {
+    "llamacpp": ["completion_probabilities.0.id", "completion_probabilities.0.top_logprobs.*.id",
+                 "completion_probabilities.0.top_logprobs.*.logprob"],
+    "openai-llamacpp": ["choices.0.logprobs.content.0.id", "choices.0.logprobs.content.0.top_logprobs.*.id",
+                        "choices.0.logprobs.content.0.top_logprobs.*.logprob"],
+    "openai-vllm": ["choices.0.logprobs.tokens.0", "choices.0.logprobs.top_logprobs.0.*"],
+    "sglang": ["meta_info.output_token_logprobs.0.1", "meta_info.output_top_logprobs.0.*.0",
+               "meta_info.output_top_logprobs.0.*.1"],
+}
+CHECKED = {
+    "llamacpp": ["tokens_evaluated", "timings.cache_n"],
+    "openai-llamacpp": ["usage.prompt_tokens", "usage.prompt_tokens_details.cached_tokens"],
+    "openai-vllm": ["usage.prompt_tokens"],
+    "sglang": ["meta_info.prompt_tokens", "meta_info.cached_tokens"],
+}
+TOP_LISTS = {"llamacpp": "completion_probabilities.0.top_logprobs",
+             "openai-llamacpp": "choices.0.logprobs.content.0.top_logprobs",
+             "openai-vllm": "choices.0.logprobs.top_logprobs.0", "sglang": "meta_info.output_top_logprobs.0"}
+WRONG_TYPES = [None, "x", "12", True, False, [], {}, [1], {"a": 1}, 1.5]
+
+
+def _matches(pattern: str, path: tuple) -> bool:
+    parts = pattern.split(".")
+    return len(parts) == len(path) and all(p == "*" or p == str(q) for p, q in zip(parts, path))
+
+
+def _is_prefix(path: tuple, pattern: str) -> bool:
+    """`path` is (an ancestor of) a field `pattern` names."""
+    parts = pattern.split(".")
+    return len(path) <= len(parts) and all(p == "*" or p == str(q) for p, q in zip(parts, path))
+
+
+def role(flavour: str, path: tuple) -> str:
+    """required: the answer cannot do without it (or it holds such a field); checked: read when present; ignored."""
+    if any(_is_prefix(path, p) for p in REQUIRED[flavour]):
+        return "required"
+    if any(_matches(p, path) for p in CHECKED[flavour]):
+        return "checked"
+    if any(_is_prefix(path, p) for p in CHECKED[flavour]):
+        return "holds-checked"
+    return "ignored"
+
+
+def nodes(tree, path=()):
+    """(path, value) of every node of a JSON tree, the root included."""
+    yield path, tree
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        yield from nodes(value, (*path, key))
+
+
+def replaced(tree, path: tuple, value):
+    """A copy of `tree` with the node at `path` replaced by `value` (deleted when value is DROP)."""
+    import copy
+
+    if not path:
+        return value
+    tree = copy.deepcopy(tree)
+    parent = tree
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is DROP:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return tree
+
+
+DROP = object()
+
+
+def pick(rng, options: list):
+    """One of `options` (numpy's choice would turn a list of mixed values into an array)."""
+    return options[int(rng.integers(len(options)))]
+
+
+def mutations(flavour: str, ids: list[int], rng) -> tuple[str | bytes, str, str]:
+    """(answer body, expected outcome, what was done): outcome "raise" (a broken answer: EndpointError), "accept"
+    (the answer's greedy token stands) or "either" (a container of fields read only when present, retyped)."""
+    import math
+
+    payload, _ = valid_answer(flavour, ids)
+    text = json.dumps(payload)
+    everything = list(nodes(payload))
+    kind = rng.choice(["truncate", "drop", "retype", "number", "extra", "fewer", "rename", "deep", "big"],
+                      p=[.12, .16, .24, .2, .1, .06, .04, .04, .04])
+    if kind == "truncate":
+        cut = int(rng.integers(0, len(text)))
+        return text[:cut], "raise", f"truncated at {cut}"
+    if kind == "deep":
+        return text[:-1] + ', "zz": ' + "[" * 100_000 + "]" * 100_000 + "}", "raise", "nested 100000 deep"
+    if kind == "big":
+        return text[:-1] + ', "zz": "' + "y" * (1 << 20) + '"}', "accept", "a 1 MiB extra field"
+    if kind == "fewer":
+        top_path = tuple(int(p) if p.isdigit() else p for p in TOP_LISTS[flavour].split("."))
+        top = dict(nodes(payload))[top_path]
+        keep = int(rng.integers(0, TOP_K))
+        short = dict(list(top.items())[:keep]) if isinstance(top, dict) else top[:keep]
+        return json.dumps(replaced(payload, top_path, short)), "raise", f"top-k cut to {keep}"
+    if kind == "rename":  # a data key of vLLM's top-k, or an extra key in any dict
+        dicts = [p for p, v in everything if isinstance(v, dict)]
+        path = dicts[int(rng.integers(len(dicts)))]
+        node = dict(nodes(payload))[path]
+        data_keys = flavour == "openai-vllm" and _matches(TOP_LISTS[flavour], path)
+        new = dict(node)
+        if data_keys:
+            old = list(new)[int(rng.integers(len(new)))]
+            new[pick(rng, ["token_id:-1", "token_id: 5", "token_id:9999", " 5", "token_id:0x1f", "token_id:"])] = \
+                new.pop(old)
+            return json.dumps(replaced(payload, path, new)), "raise", f"{path}: key {old} renamed"
+        new["zz_extra"] = pick(rng, ["x", 1, None, [1, 2], {"a": {"b": 1}}])
+        return json.dumps(replaced(payload, path, new)), "accept", f"{path}: extra key"
+    if kind == "extra":
+        dicts = [p for p, v in everything if isinstance(v, dict)
+                 and not (flavour == "openai-vllm" and _matches(TOP_LISTS[flavour], p))]
+        path = dicts[int(rng.integers(len(dicts)))]
+        value = pick(rng, ["x", 10 ** 30, -1, None, float("nan"), [1, 2], {"id": -1}])
+        new = {**dict(nodes(payload))[path], f"extra_{int(rng.integers(1000))}": value}
+        return json.dumps(replaced(payload, path, new)), "accept", f"{path}: extra field"
+    if kind == "drop":
+        keyed = [p for p, _ in everything if p and isinstance(dict(nodes(payload))[p[:-1]], dict)]
+        path = keyed[int(rng.integers(len(keyed)))]
+        r = role(flavour, path)
+        return json.dumps(replaced(payload, path, DROP)), "raise" if r == "required" else "accept", f"drop {path}"
+    if kind == "retype":
+        path = everything[int(rng.integers(len(everything)))][0]
+        old = dict(nodes(payload))[path]
+        choices = [w for w in WRONG_TYPES if type(w) is not type(old)]
+        if isinstance(old, int | float) and not isinstance(old, bool):
+            choices = [w for w in choices if isinstance(w, bool) or not isinstance(w, int | float)]
+        value = choices[int(rng.integers(len(choices)))]
+        r = role(flavour, path)
+        expected = {"required": "raise", "checked": "raise", "holds-checked": "either", "ignored": "accept"}[r]
+        if r == "checked" and value in ([], {}, None, False):  # read as "not reported" is as good as absent
+            expected = "either"
+        return json.dumps(replaced(payload, path, value)), expected, f"{path} -> {value!r}"
+    # number: a numeric field set to a value no answer has, or to one that is still valid
+    numeric = [p for p, v in everything if isinstance(v, int | float) and not isinstance(v, bool)
+               and role(flavour, p) in ("required", "checked")]
+    path = numeric[int(rng.integers(len(numeric)))]
+    is_logprob = isinstance(dict(nodes(payload))[path], float)
+    count = role(flavour, path) == "checked"  # a prompt-token or cached count: len(ids) + 1 is one too many
+    value = pick(rng, [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 10 ** 30, -1, 0.5, 2 ** 63, -5.0,
+                       *([len(ids) + 1] if count else [])])
+    if is_logprob:
+        ok = isinstance(value, int | float) and math.isfinite(value) and value <= 0
+    elif count:  # every value in the pool is outside 0..len(ids) or not an integer
+        ok = False
+    else:
+        ok = False  # an id: every value in the pool is outside 0..255 or not an integer
+    return json.dumps(replaced(payload, path, value)), "accept" if ok else "raise", f"{path} -> {value!r}"
+
+
+class ScriptedEngine(FakeEngine):
+    """test_endpoint's fake engine describing its model on GET, answering `body` (set per request) on POST."""
+
+    def __init__(self, vocab: int = V4):
+        super().__init__(vocab=vocab)
+        self.body: str | bytes = b""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return super().__call__(request)
+        body = self.body.encode() if isinstance(self.body, str) else self.body
+        return httpx.Response(200, content=body, headers={"Content-Type": "application/json"})
+
+
+def scripted_adapter(flavour: str, engine: ScriptedEngine):
+    from phasekv.adapters.endpoint import EndpointAdapter
+
+    return EndpointAdapter("http://engine.test", flavour.split("-")[0], V4, retries=0, backoff=0.0,
+                           transport=httpx.MockTransport(engine))
+
+
+FUZZ_PER_FLAVOUR = 600
+FLAVOURS = ["llamacpp", "openai-llamacpp", "openai-vllm", "sglang"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_fuzzed_engine_answers_are_refused_in_one_line_or_read_right(flavour):
+    """Each generated answer (truncated, retyped, NaN, huge, missing or extra fields, fewer top-k, a wrong prompt
+    count) either raises EndpointError in one line, nothing stored, or, when harmless, gives the engine's greedy
+    token; never another exception.  The valid answer itself is accepted (the generator's baseline)."""
+    import numpy as np
+
+    from phasekv.adapters.engines import EndpointError
+    from phasekv.adapters.journal import prompt_key
+
+    rng = np.random.default_rng(FLAVOURS.index(flavour))
+    engine = ScriptedEngine()
+    adapter = scripted_adapter(flavour, engine)
+    outcomes = collections.Counter()
+    for n in range(FUZZ_PER_FLAVOUR + 1):
+        ids = [1 + n % 200, 1 + n // 200, 3]
+        if n == 0:
+            payload, greedy = valid_answer(flavour, ids)
+            body, expected, what = json.dumps(payload), "accept", "the valid answer"
+        else:
+            body, expected, what = mutations(flavour, ids, rng)
+            greedy = valid_answer(flavour, ids)[1]
+        engine.body = body
+        adapter.answered_by = None  # each answer judged alone (a renamed "model" would carry over)
+        try:
+            logits = adapter.logits(torch.tensor([ids]))
+        except EndpointError as exc:
+            assert expected in ("raise", "either"), f"{flavour} {what}: refused a good answer: {exc}"
+            assert "\n" not in str(exc) and prompt_key(ids) not in adapter.answers, what
+            outcomes["refused"] += 1
+            continue
+        assert expected in ("accept", "either"), f"{flavour} {what}: a broken answer was accepted"
+        assert int(logits[0, -1].argmax()) == greedy, what
+        outcomes["accepted"] += 1
+    assert sum(outcomes.values()) == FUZZ_PER_FLAVOUR + 1
+    assert outcomes["refused"] > FUZZ_PER_FLAVOUR // 2 and outcomes["accepted"] > 50, outcomes
+
+
+@pytest.mark.parametrize("api", ["llamacpp", "openai", "sglang"])
+def test_fuzzed_model_descriptions_are_one_line_or_a_working_adapter(api):
+    """The server's description of its model (/props, /v1/models, /get_model_info), fuzzed the same way: a working
+    adapter or one EndpointError line, never a traceback."""
+    import numpy as np
+
+    from phasekv.adapters.endpoint import EndpointAdapter
+    from phasekv.adapters.engines import EndpointError
+
+    described = {"/props": {"model_path": "/models/fake.gguf", "default_generation_settings": {"n_ctx": 4096}},
+                 "/v1/models": {"data": [{"id": "fake", "max_model_len": 4096, "meta": {"n_vocab": V4}}]},
+                 "/get_model_info": {"model_path": "org/fake"}}
+    rng = np.random.default_rng(7)
+    refused = 0
+    for _ in range(200):
+        route = pick(rng, list(described))
+        everything = list(nodes(described[route]))
+        path = everything[int(rng.integers(len(everything)))][0]
+        value = pick(rng, [*WRONG_TYPES, DROP, float("nan"), -1, 0, 10 ** 30]) if path else pick(rng, WRONG_TYPES)
+        mutated = {**described, route: replaced(described[route], path, value if path else value)}
+        if value is DROP and not path:
+            continue
+
+        def handler(request, mutated=mutated):
+            if request.url.path in mutated:
+                return httpx.Response(200, json=mutated[request.url.path])
+            return httpx.Response(404, json={"detail": "Not Found"})
+
+        try:
+            EndpointAdapter("http://engine.test", api, V4, retries=0, transport=httpx.MockTransport(handler))
+        except EndpointError as exc:
+            assert "\n" not in str(exc)
+            refused += 1
+    assert refused > 20
+
+
+@pytest.mark.parametrize("case, match", [
+    ("id-minus-one", "token id -1, outside the tokenizer's 256"),
+    ("id-past-vocab", "token id 300, outside the tokenizer's 256: wrong --tokenizer?"),
+    ("nan-logprob", "the log-probability nan"),
+    ("positive-logprob", "the log-probability 0.5"),
+    ("fewer-top-k", "3 top-k log-probabilities where 8 were asked"),
+    ("prompt-count", "read 4 prompt tokens where 3 ids were sent"),
+    ("greedy-not-in-top", "the greedy token 200, which is not among its own top-8"),
+    ("cached-negative", "-2 prompt tokens served from its cache"),
+])
+def test_each_broken_answer_of_the_issue_is_named(case, match):
+    """The issue's broken answers, one line each (llama.cpp's format; the fuzz covers every API)."""
+    from phasekv.adapters.engines import EndpointError
+
+    ids = [5, 6, 7]
+    payload, t = valid_answer("llamacpp", ids)
+    step = payload["completion_probabilities"][0]
+    if case == "id-minus-one":  # the issue's engine: token -1, top-k ids -1..-8
+        step["id"] = -1
+        for j, entry in enumerate(step["top_logprobs"]):
+            entry["id"] = -1 - j
+    elif case == "id-past-vocab":
+        step["id"] = step["top_logprobs"][0]["id"] = 300
+    elif case == "nan-logprob":
+        step["top_logprobs"][2]["logprob"] = float("nan")
+    elif case == "positive-logprob":
+        step["top_logprobs"][0]["logprob"] = 0.5
+    elif case == "fewer-top-k":
+        del step["top_logprobs"][3:]
+    elif case == "prompt-count":
+        payload["tokens_evaluated"] = 4
+    elif case == "greedy-not-in-top":
+        step["id"] = 200
+    else:
+        payload["timings"]["cache_n"] = -2
+    engine = ScriptedEngine()
+    engine.body = json.dumps(payload)
+    with pytest.raises(EndpointError, match=re.escape(match)) as caught:
+        scripted_adapter("llamacpp", engine).logits(torch.tensor([ids]))
+    assert "\n" not in str(caught.value) and t != 200
