@@ -9,6 +9,7 @@ copy of the bundled w8s8 checkpoint, a tiny transformers model, a finished eval)
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -35,6 +37,7 @@ from phasekv import families
 from phasekv.cli import main
 from phasekv.config import MAX_CONFIG_BYTES, Experiment
 from phasekv.train import train
+from tests.engine import LoopbackServer
 from tests.test_endpoint import FakeEngine
 from tests.test_evaluate import VOCAB, _tiny_hf
 from tests.test_train import TINY
@@ -267,6 +270,7 @@ EVAL_CK = "eval --checkpoint {c}/ck --out {c}/out --no-progress"
 EVAL_HF = "eval --hf {c}/hf --out {c}/out --no-progress --records 32 --clusters 2"
 EVAL_HF_FMT = "eval --hf {ws}/hf --out {c}/out --no-progress --format {c}/f.yaml"
 AUDIT_HF = "audit --hf {ws}/hf --out {c}/out --no-progress"
+AUDIT_SERVED = "audit --endpoint {url} --tokenizer {{ws}}/hf --out {{c}}/out --no-progress"
 
 CASES = [
     # train: overrides and config files
@@ -507,6 +511,29 @@ CASES = [
          "loop is a symbolic link loop", symlink_loop),
     Case("eval-out-is-symlink-loop", "eval --checkpoint {ws}/run --out {c}/loop --no-progress",
          "loop is a symbolic link loop", symlink_loop),
+    # round 4: flags of another source refused, every --endpoint flag checked before anything is loaded or asked
+    Case("audit-hf-concurrency-zero", AUDIT_HF + " --concurrency 0",
+         "--concurrency: applies to --endpoint only, not to --hf"),
+    Case("audit-hf-resume", AUDIT_HF + " --resume", "--resume: applies to --endpoint only"),
+    Case("eval-checkpoint-api", EVAL + " --api openai", "--api: applies to --endpoint only, not to --checkpoint"),
+    Case("eval-hf-timeout", EVAL_HF + " --timeout 5", "--timeout: applies to --endpoint only",
+         hf_copy(lambda hf: None)),
+    Case("audit-endpoint-ipv6-unclosed", AUDIT_SERVED.format(url="http://[::1"), "not a valid URL (Invalid IPv6 URL)"),
+    Case("audit-endpoint-port-99999", AUDIT_SERVED.format(url="http://127.0.0.1:99999"),
+         "not a valid URL (Port out of range 0-65535)"),
+    Case("audit-endpoint-no-host", AUDIT_SERVED.format(url="http://:8080"), "names no host"),
+    Case("audit-endpoint-timeout-zero", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout 0",
+         "--timeout: must be a finite number of seconds > 0, got 0.0"),
+    Case("audit-endpoint-timeout-nan", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout nan",
+         "--timeout: must be a finite number of seconds > 0, got nan"),
+    Case("audit-endpoint-sglang-reuse-prefix", AUDIT_SERVED.format(url="http://127.0.0.1:9") +
+         " --api sglang --reuse-prefix", "--reuse-prefix: the sglang API has no per-request prompt-cache switch"),
+    Case("audit-endpoint-dtype", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --dtype bfloat16",
+         "--dtype: applies to an in-process model"),
+    Case("eval-endpoint-timeout-zero", "eval --endpoint http://127.0.0.1:9 --tokenizer {ws}/hf --timeout 0 "
+         "--out {c}/out --no-progress", "--timeout: must be a finite number of seconds > 0"),
+    Case("eval-endpoint-device-map", "eval --endpoint http://127.0.0.1:9 --tokenizer {ws}/hf --device-map auto "
+         "--out {c}/out --no-progress", "--device-map: applies to an in-process model"),
 ]
 
 
@@ -574,7 +601,8 @@ def test_eval_checks_out_before_computing(ws: Path, capsys, monkeypatch):
 
 # the cases whose flags must be refused before any model or tokenizer is opened
 EARLY = [c for c in CASES if c.id.startswith(("audit-", "format-", "eval-checkpoint-", "eval-prompt-set",
-                                              "eval-hf-prompt-set", "train-batch-a-million"))]
+                                              "eval-hf-prompt-set", "train-batch-a-million", "eval-endpoint-",
+                                              "eval-hf-timeout"))]
 
 
 @pytest.mark.parametrize("case", EARLY, ids=[c.id for c in EARLY])
@@ -1058,3 +1086,238 @@ def test_each_broken_answer_of_the_issue_is_named(case, match):
     with pytest.raises(EndpointError, match=re.escape(match)) as caught:
         scripted_adapter("llamacpp", engine).logits(torch.tensor([ids]))
     assert "\n" not in str(caught.value) and t != 200
+
+
+class HTTPEngine(LoopbackServer):
+    """A fake llama.cpp server on a loopback port: /props, /v1/models and /completion answered as llama-server
+    answers (the greedy token a hash of the ids, as many top-k entries as asked, within `vocab`).  `answer(n, ids,
+    k, good)` may replace the n-th /completion answer (1-based) with (status, body); `props` streams /props' body
+    from an iterable of chunks until the client hangs up; `redirect` answers 302 to everything.  `sent`: body bytes
+    written."""
+
+    def __init__(self, vocab: int, context: int = 4096, answer=None, props=None, redirect: str | None = None):
+        self.posts, self.sent = 0, 0
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if redirect is not None:
+                    return self._send(302, b"", {"Location": redirect})
+                if self.path == "/props" and props is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()  # HTTP/1.0: the body runs until the connection closes
+                    try:
+                        for chunk in props:
+                            self.wfile.write(chunk)
+                            engine.sent += len(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    return None
+                routes = {"/props": {"model_path": "/models/fake.gguf", "default_generation_settings": {"n_ctx":
+                                                                                                         context}},
+                          "/v1/models": {"data": [{"id": "fake.gguf", "meta": {"n_vocab": vocab}}]}}
+                if self.path in routes:
+                    return self._send(200, json.dumps(routes[self.path]).encode())
+                return self._send(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                engine.posts += 1
+                if redirect is not None:
+                    return self._send(302, b"", {"Location": redirect})
+                ids, k = body["prompt"], body["n_probs"]
+                t = (sum((i + 1) * x for i, x in enumerate(ids)) * 7 + len(ids)) % vocab
+                step = {"id": t, "logprob": -0.25, "top_logprobs": [
+                    {"id": (t + j) % vocab, "token": "x", "logprob": -0.25 - j} for j in range(k)]}
+                good = {"completion_probabilities": [step], "tokens_evaluated": len(ids), "model": "fake.gguf"}
+                status, data = answer(engine.posts, ids, k, good) if answer else (200, good)
+                return self._send(status, data if isinstance(data, bytes) else json.dumps(data).encode())
+
+            def _send(self, status, data, headers=None):
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(data)
+                    engine.sent += len(data)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self._serve(Handler)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A small BPE tokenizer saved as files: what --tokenizer reads for the fake engines."""
+    from tests.helpers import bpe_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    bpe_tokenizer().save_pretrained(path)
+    return path
+
+
+def vocab_of(tokenizer: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer))
+
+
+# 8 prompts of about 75 tokens (stride 2, both protocols), as tests/test_endpoint_faults.py sends
+SMALL_AUDIT = "--format records --stride 2 --records 4 --demos 1 --local-window 4 --prompts-per-phase 1 --no-progress"
+
+
+def served_audit(url: str, tokenizer: Path, out: Path, capsys, extra: str = "") -> tuple[int, str]:
+    """(exit status, the one stderr line or '') of `phasekv audit --endpoint URL` on the small prompt set."""
+    capsys.readouterr()
+    code = main(["audit", "--endpoint", url, "--tokenizer", str(tokenizer), *SMALL_AUDIT.split(), *extra.split(),
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    if code == 0:
+        return 0, ""
+    return code, check_one_line(code, captured.err, captured.out)
+
+
+def test_an_endless_body_is_cut_at_the_cap(tmp_path, tokenizer_dir, capsys):
+    """/props streaming without end (256 MiB here) is read only up to the cap: the read stops, memory stays
+    bounded (the server could write at most the cap plus the socket buffers), the audit is one line."""
+    from phasekv.adapters.engines import Connection, EndpointError
+
+    def endless():
+        yield b'{"model_path": "'
+        for _ in range(4096):
+            yield b"a" * 65536
+
+    with HTTPEngine(256, props=endless()) as engine:
+        conn = Connection(engine.url, timeout=30, retries=0, max_bytes=1 << 20)
+        with pytest.raises(EndpointError, match=r"/props: answered more than 1 MiB"):
+            conn.request("GET", "/props")
+        conn.close()
+        time.sleep(0.5)
+        assert engine.sent < 32 << 20
+    with HTTPEngine(256, props=endless()) as engine:
+        start = time.perf_counter()
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+        time.sleep(0.5)
+        assert code == 2 and "answered more than 16 MiB" in line, line
+        assert engine.sent < 64 << 20 and time.perf_counter() - start < 60
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_broken_engine_answer_stops_the_audit_before_anything_is_scored(tmp_path, tokenizer_dir, capsys):
+    """The issue's engine: token -1 and top-k ids -1..-8.  Exit 2 naming it, no OUT, no journal left behind."""
+    def broken(n, ids, k, good):
+        step = good["completion_probabilities"][0]
+        step["id"] = -1
+        step["top_logprobs"] = [{"id": -1 - j, "token": "x", "logprob": -0.25 - j} for j in range(k)]
+        return 200, good
+
+    with HTTPEngine(vocab_of(tokenizer_dir), answer=broken) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+    assert code == 2 and "token id -1, outside the tokenizer's" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_redirect_is_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
+    with HTTPEngine(256, redirect="http://127.0.0.1:9/elsewhere") as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+    assert code == 2 and "HTTP 302, a redirect to 'http://127.0.0.1:9/elsewhere'" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, tokenizer_dir, capsys):
+    """A refused run leaves nothing; a failed run keeps its journal only inside OUT's temporary directory (never a
+    file beside OUT); a journal line without an answer's fields is named with its line; --resume publishes the
+    journal inside OUT and nothing else remains."""
+    from phasekv.adapters.journal import journal_path
+
+    vocab, out = vocab_of(tokenizer_dir), tmp_path / "out"
+    with HTTPEngine(vocab, context=16) as engine:  # every prompt is longer than the server's context
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
+    assert code == 2 and "exceeds the model's context (16 tokens)" in line, line
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+    def three_then_gone(n, ids, k, good):
+        return (200, good) if n <= 3 else (400, {"error": {"message": "slot unavailable"}})
+
+    with HTTPEngine(vocab, answer=three_then_gone) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
+    assert code == 2 and "slot unavailable" in line, line
+    journal = journal_path(out)
+    assert journal.is_file() and len(journal.read_text().splitlines()) == 4  # the header and three answers
+    assert all(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join([*lines, '{"key": "abc"}']) + "\n")  # complete JSON, no answer
+    with HTTPEngine(vocab) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys, "--resume")
+    assert code == 2 and f"{journal}: line 5 is not a journaled answer (it lacks token, top, cached)" in line, line
+    journal.write_text("\n".join(lines) + "\n")
+    with HTTPEngine(vocab) as engine:
+        assert served_audit(engine.url, tokenizer_dir, out, capsys, "--resume") == (0, "")
+        asked = engine.posts
+    assert asked == 8 - 3  # the three journaled prompts were not asked again
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert len((out / "endpoint_journal.jsonl").read_text().splitlines()) == 9
+    assert json.loads((out / "endpoint.json").read_text())["answers_from_journal"] == 3
+
+
+def _full_disk(command: str, size: str, tmp_path: Path) -> tuple[int, str, list[str]]:
+    """(exit status, stderr, what is left on the disk) of `python COMMAND` run with {disk} a tmpfs of `size` in a
+    private mount namespace: a real full file system without touching this machine's."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + str(REPO), "OMP_NUM_THREADS": "1"}
+    script = (f"mount -t tmpfs -o size={size} none {disk} && {sys.executable} {command.format(disk=disk)}; "
+              f"code=$?; echo LEFT: $(ls -A {disk}); exit $code")
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    left = proc.stdout.rsplit("LEFT:", 1)[-1].split()
+    return proc.returncode, proc.stderr, left
+
+
+def _can_mount() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=4k none /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+needs_mount = pytest.mark.skipif(not _can_mount(), reason="needs unshare --mount and tmpfs (root)")
+
+
+@needs_mount
+def test_a_full_disk_during_gguf_export_is_one_line_and_leaves_no_file(tmp_path):
+    """The issue's case: a tmpfs too small for the GGUF.  Exit 2, "no space left on DISK writing FILE", the disk
+    left empty (no partial file, no temporary)."""
+    pytest.importorskip("gguf")
+    code, err, left = _full_disk(f"-m phasekv.cli export gguf --checkpoint {REPO}/checkpoints/dsv4-csa --out "
+                                 "{disk}/m.gguf", "256k", tmp_path)
+    disk = tmp_path / "disk"
+    assert f"no space left on {disk} writing {disk}/m.gguf" in check_one_line(code, err, "")
+    assert left == [], left
+
+
+# an output directory written on a full disk, through the outputs module as every command writes its --out
+FILL_OUT = """-c "
+import sys
+from phasekv.outputs import OutputError, output_dir, write_json
+try:
+    with output_dir(sys.argv[1]) as tmp:
+        write_json(tmp / 'summary.json', {{'x': 'y' * 100000}})
+except OutputError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(2)
+" {disk}/out"""
+
+
+@needs_mount
+def test_a_full_disk_under_an_output_directory_names_the_file_and_leaves_nothing(tmp_path):
+    code, err, left = _full_disk(FILL_OUT, "16k", tmp_path)
+    disk = tmp_path / "disk"
+    assert code == 2 and f"no space left on {disk} writing {disk}/.out.tmp-" in err and "summary.json" in err, err
+    assert len(err.strip().splitlines()) == 1 and left == [], (err, left)

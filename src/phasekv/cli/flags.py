@@ -68,7 +68,8 @@ def check_source_flags(args) -> None:
     if endpoint is None:
         source = "--hf" if getattr(args, "hf", None) is not None else "--checkpoint"
         for name in ENDPOINT_ONLY:
-            if getattr(args, name, None) not in (None, False):
+            value = getattr(args, name, None)
+            if value is not None and value is not False:  # 0 is given (`0 in (None, False)` would say it is not)
                 raise ValueError(f"--{name.replace('_', '-')}: applies to --endpoint only, not to {source}: drop it")
         return
     from phasekv.adapters.endpoint import check_endpoint_options
