@@ -16,7 +16,7 @@ import torch
 from phasekv.adapters.base import ModelInfo
 from phasekv.adapters.endpoint import EndpointAdapter
 from phasekv.adapters.engines import APIS, EndpointError
-from phasekv.adapters.journal import Journal, prompt_key
+from phasekv.adapters.journal import Journal, journal_path, prompt_key
 from phasekv.evaluate.runner import predict
 from tests.engine import CountingProxy, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, PromptAdapter, needs_real
@@ -427,7 +427,8 @@ def test_endpoint_audit_agrees_with_the_in_process_reference(audits):
     journal = (audits / "engine" / "endpoint_journal.jsonl").read_text().splitlines()
     assert record["requests_this_run"] == record["answers"] == len(journal) - 1 == N_PROMPTS
     assert record["prompt_cache"] == "off" and record["cached_prompt_tokens"] == 0
-    assert not (audits / "engine.journal.jsonl").exists()  # moved into the published OUT
+    assert not journal_path(audits / "engine").exists()  # published inside OUT, its temporary directory gone
+    assert sorted(p.name for p in audits.iterdir()) == ["engine", "reference"]  # nothing written beside OUT
 
 
 @needs_engine
@@ -470,7 +471,7 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "phasekv.cli", "audit", "--endpoint", None, "--api", "llamacpp", "--concurrency",
            "2", *AUDIT, "--out", str(out)]
-    journal = tmp_path / "run.journal.jsonl"
+    journal = journal_path(out)
     with CountingProxy(server) as proxy:
         cmd[cmd.index(None)] = proxy.url
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
