@@ -16,7 +16,7 @@ import torch
 from phasekv.adapters.base import ModelInfo
 from phasekv.adapters.endpoint import EndpointAdapter
 from phasekv.adapters.engines import APIS, EndpointError
-from phasekv.adapters.journal import Journal, prompt_key
+from phasekv.adapters.journal import Journal, journal_path, prompt_key
 from phasekv.evaluate.runner import predict
 from tests.engine import CountingProxy, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, PromptAdapter, needs_real
@@ -130,7 +130,8 @@ class FakeEngine:
         self.bodies.append(body)
         ids = body.get("prompt", body.get("input_ids"))
         t = self.next_token(ids)
-        top = [(t, -0.25), ((t + 1) % V, -2.0), ((t + 2) % V, -3.0)]
+        k = body.get("n_probs", body.get("logprobs", body.get("top_logprobs_num")))  # as many as asked
+        top = [(t, -0.25), *(((t + j) % V, -1.0 - j) for j in range(1, k))]
         n = len(ids) + self.extra
         if self.api == "sglang":
             return httpx.Response(200, json={"meta_info": {"prompt_tokens": n, "output_token_logprobs": [[-0.25, t,
@@ -226,7 +227,7 @@ def test_the_wrong_model_or_a_changed_prompt_is_refused():
         fake_adapter(FakeEngine(extra_prompt_tokens=1)).logits(torch.tensor([[1, 2, 3]]))
     small = EndpointAdapter("http://engine.test", "llamacpp", 100, transport=httpx.MockTransport(FakeEngine(vocab=100)))
     assert FakeEngine.next_token([1, 2, 3]) == 101
-    with pytest.raises(EndpointError, match="token id 103, outside the tokenizer's 100: wrong --tokenizer"):
+    with pytest.raises(EndpointError, match="token id 101, outside the tokenizer's 100: wrong --tokenizer"):
         small.logits(torch.tensor([[1, 2, 3]]))
     with pytest.raises(EndpointError, match="--api: must be one of"):
         EndpointAdapter("http://engine.test", "vllm", V)
@@ -426,7 +427,8 @@ def test_endpoint_audit_agrees_with_the_in_process_reference(audits):
     journal = (audits / "engine" / "endpoint_journal.jsonl").read_text().splitlines()
     assert record["requests_this_run"] == record["answers"] == len(journal) - 1 == N_PROMPTS
     assert record["prompt_cache"] == "off" and record["cached_prompt_tokens"] == 0
-    assert not (audits / "engine.journal.jsonl").exists()  # moved into the published OUT
+    assert not journal_path(audits / "engine").exists()  # published inside OUT, its temporary directory gone
+    assert sorted(p.name for p in audits.iterdir()) == ["engine", "reference"]  # nothing written beside OUT
 
 
 @needs_engine
@@ -469,7 +471,7 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "phasekv.cli", "audit", "--endpoint", None, "--api", "llamacpp", "--concurrency",
            "2", *AUDIT, "--out", str(out)]
-    journal = tmp_path / "run.journal.jsonl"
+    journal = journal_path(out)
     with CountingProxy(server) as proxy:
         cmd[cmd.index(None)] = proxy.url
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

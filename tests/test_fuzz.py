@@ -8,10 +8,13 @@ copy of the bundled w8s8 checkpoint, a tiny transformers model, a finished eval)
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -19,8 +22,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -32,6 +37,8 @@ from phasekv import families
 from phasekv.cli import main
 from phasekv.config import MAX_CONFIG_BYTES, Experiment
 from phasekv.train import train
+from tests.engine import LoopbackServer
+from tests.test_endpoint import FakeEngine
 from tests.test_evaluate import VOCAB, _tiny_hf
 from tests.test_train import TINY
 
@@ -263,6 +270,7 @@ EVAL_CK = "eval --checkpoint {c}/ck --out {c}/out --no-progress"
 EVAL_HF = "eval --hf {c}/hf --out {c}/out --no-progress --records 32 --clusters 2"
 EVAL_HF_FMT = "eval --hf {ws}/hf --out {c}/out --no-progress --format {c}/f.yaml"
 AUDIT_HF = "audit --hf {ws}/hf --out {c}/out --no-progress"
+AUDIT_SERVED = "audit --endpoint {url} --tokenizer {{ws}}/hf --out {{c}}/out --no-progress"
 
 CASES = [
     # train: overrides and config files
@@ -503,6 +511,29 @@ CASES = [
          "loop is a symbolic link loop", symlink_loop),
     Case("eval-out-is-symlink-loop", "eval --checkpoint {ws}/run --out {c}/loop --no-progress",
          "loop is a symbolic link loop", symlink_loop),
+    # round 4: flags of another source refused, every --endpoint flag checked before anything is loaded or asked
+    Case("audit-hf-concurrency-zero", AUDIT_HF + " --concurrency 0",
+         "--concurrency: applies to --endpoint only, not to --hf"),
+    Case("audit-hf-resume", AUDIT_HF + " --resume", "--resume: applies to --endpoint only"),
+    Case("eval-checkpoint-api", EVAL + " --api openai", "--api: applies to --endpoint only, not to --checkpoint"),
+    Case("eval-hf-timeout", EVAL_HF + " --timeout 5", "--timeout: applies to --endpoint only",
+         hf_copy(lambda hf: None)),
+    Case("audit-endpoint-ipv6-unclosed", AUDIT_SERVED.format(url="http://[::1"), "not a valid URL (Invalid IPv6 URL)"),
+    Case("audit-endpoint-port-99999", AUDIT_SERVED.format(url="http://127.0.0.1:99999"),
+         "not a valid URL (Port out of range 0-65535)"),
+    Case("audit-endpoint-no-host", AUDIT_SERVED.format(url="http://:8080"), "names no host"),
+    Case("audit-endpoint-timeout-zero", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout 0",
+         "--timeout: must be a finite number of seconds > 0, got 0.0"),
+    Case("audit-endpoint-timeout-nan", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout nan",
+         "--timeout: must be a finite number of seconds > 0, got nan"),
+    Case("audit-endpoint-sglang-reuse-prefix", AUDIT_SERVED.format(url="http://127.0.0.1:9") +
+         " --api sglang --reuse-prefix", "--reuse-prefix: the sglang API has no per-request prompt-cache switch"),
+    Case("audit-endpoint-dtype", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --dtype bfloat16",
+         "--dtype: applies to an in-process model"),
+    Case("eval-endpoint-timeout-zero", "eval --endpoint http://127.0.0.1:9 --tokenizer {ws}/hf --timeout 0 "
+         "--out {c}/out --no-progress", "--timeout: must be a finite number of seconds > 0"),
+    Case("eval-endpoint-device-map", "eval --endpoint http://127.0.0.1:9 --tokenizer {ws}/hf --device-map auto "
+         "--out {c}/out --no-progress", "--device-map: applies to an in-process model"),
 ]
 
 
@@ -570,7 +601,8 @@ def test_eval_checks_out_before_computing(ws: Path, capsys, monkeypatch):
 
 # the cases whose flags must be refused before any model or tokenizer is opened
 EARLY = [c for c in CASES if c.id.startswith(("audit-", "format-", "eval-checkpoint-", "eval-prompt-set",
-                                              "eval-hf-prompt-set", "train-batch-a-million"))]
+                                              "eval-hf-prompt-set", "train-batch-a-million", "eval-endpoint-",
+                                              "eval-hf-timeout"))]
 
 
 @pytest.mark.parametrize("case", EARLY, ids=[c.id for c in EARLY])
@@ -717,3 +749,575 @@ def test_resume_names_the_nested_field(ws: Path, capsys):
     run_copy()(ws, c)
     code = main(["train", str(ws / "tiny.yaml"), "--out", str(c / "out"), "--resume", "--set", "model.window=16"])
     assert "model.compressors.gated.window" in check_one_line(code, capsys.readouterr().err, "")
+
+
+# ----------------------------------------------------------------------------- round 4: served models
+#
+# The endpoint adapter against answers no working engine gives: a generator of broken (and harmless) variants of
+# each API's answer, run through the adapter's own HTTP path in process (httpx.MockTransport), and small loopback
+# servers for what only a socket shows (an endless body, a redirect) and for the command line end to end.
+
+V4 = 256  # the fake engines' vocabulary
+TOP_K = 8  # what EndpointAdapter asks by default
+
+
+def top_entries(t: int) -> list[tuple[int, float]]:
+    """The fake engine's top-k for greedy token t: t first, then 7 other ids, log-probabilities decreasing."""
+    return [((t + 13 * j) % V4, -0.25 - j) for j in range(TOP_K)]
+
+
+def valid_answer(flavour: str, ids: list[int]) -> tuple[dict, int]:
+    """(an answer to `ids` in the format of `flavour`, its greedy token): the formats recorded in test_endpoint."""
+    t = (sum(ids) * 7 + len(ids)) % V4
+    top, n = top_entries(t), len(ids)
+    if flavour == "llamacpp":
+        return {"content": "x", "model": "/models/fake.gguf", "tokens_evaluated": n, "stop": True,
+                "timings": {"cache_n": 0, "prompt_n": n},
+                "completion_probabilities": [{"id": t, "token": "x", "bytes": [120], "logprob": -0.25, "top_logprobs": [
+                    {"id": i, "token": "x", "bytes": [120], "logprob": lp} for i, lp in top]}]}, t
+    if flavour == "openai-llamacpp":
+        step = {"id": t, "token": "x", "bytes": [120], "logprob": -0.25,
+                "top_logprobs": [{"id": i, "token": "x", "bytes": [120], "logprob": lp} for i, lp in top]}
+        return {"choices": [{"text": "x", "index": 0, "logprobs": {"content": [step]}, "finish_reason": "length"}],
+                "model": "fake", "object": "text_completion",
+                "usage": {"prompt_tokens": n, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}}, t
+    if flavour == "openai-vllm":
+        return {"choices": [{"text": "x", "index": 0, "logprobs": {
+            "tokens": [f"token_id:{t}"], "token_logprobs": [-0.25], "text_offset": [0],
+            "top_logprobs": [{f"token_id:{i}": lp for i, lp in top}]}}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}}, t
+    return {"text": "x", "output_ids": [t], "meta_info": {
+        "id": "x", "prompt_tokens": n, "completion_tokens": 1, "cached_tokens": 0,
+        "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-0.25, t, None]],
+        "output_top_logprobs": [[[lp, i, None] for i, lp in top]]}}, t
+
+
+# per flavour: the fields an answer cannot do without (ids and log-probabilities; "*": any index or key), the
+# fields read when present (prompt-token counts, cache counts), and the dicts whose keys are data (vLLM's top-k)
+REQUIRED = {
+    "llamacpp": ["completion_probabilities.0.id", "completion_probabilities.0.top_logprobs.*.id",
+                 "completion_probabilities.0.top_logprobs.*.logprob"],
+    "openai-llamacpp": ["choices.0.logprobs.content.0.id", "choices.0.logprobs.content.0.top_logprobs.*.id",
+                        "choices.0.logprobs.content.0.top_logprobs.*.logprob"],
+    "openai-vllm": ["choices.0.logprobs.tokens.0", "choices.0.logprobs.top_logprobs.0.*"],
+    "sglang": ["meta_info.output_token_logprobs.0.1", "meta_info.output_top_logprobs.0.*.0",
+               "meta_info.output_top_logprobs.0.*.1"],
+}
+CHECKED = {
+    "llamacpp": ["tokens_evaluated", "timings.cache_n"],
+    "openai-llamacpp": ["usage.prompt_tokens", "usage.prompt_tokens_details.cached_tokens"],
+    "openai-vllm": ["usage.prompt_tokens"],
+    "sglang": ["meta_info.prompt_tokens", "meta_info.cached_tokens"],
+}
+TOP_LISTS = {"llamacpp": "completion_probabilities.0.top_logprobs",
+             "openai-llamacpp": "choices.0.logprobs.content.0.top_logprobs",
+             "openai-vllm": "choices.0.logprobs.top_logprobs.0", "sglang": "meta_info.output_top_logprobs.0"}
+WRONG_TYPES = [None, "x", "12", True, False, [], {}, [1], {"a": 1}, 1.5]
+
+
+def _matches(pattern: str, path: tuple) -> bool:
+    parts = pattern.split(".")
+    return len(parts) == len(path) and all(p == "*" or p == str(q) for p, q in zip(parts, path))
+
+
+def _is_prefix(path: tuple, pattern: str) -> bool:
+    """`path` is (an ancestor of) a field `pattern` names."""
+    parts = pattern.split(".")
+    return len(path) <= len(parts) and all(p == "*" or p == str(q) for p, q in zip(parts, path))
+
+
+def role(flavour: str, path: tuple) -> str:
+    """required: the answer cannot do without it (or it holds such a field); checked: read when present; ignored."""
+    if any(_is_prefix(path, p) for p in REQUIRED[flavour]):
+        return "required"
+    if any(_matches(p, path) for p in CHECKED[flavour]):
+        return "checked"
+    if any(_is_prefix(path, p) for p in CHECKED[flavour]):
+        return "holds-checked"
+    return "ignored"
+
+
+def nodes(tree, path=()):
+    """(path, value) of every node of a JSON tree, the root included."""
+    yield path, tree
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in items:
+        yield from nodes(value, (*path, key))
+
+
+def replaced(tree, path: tuple, value):
+    """A copy of `tree` with the node at `path` replaced by `value` (deleted when value is DROP)."""
+    import copy
+
+    if not path:
+        return value
+    tree = copy.deepcopy(tree)
+    parent = tree
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is DROP:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return tree
+
+
+DROP = object()
+
+
+def pick(rng, options: list):
+    """One of `options` (numpy's choice would turn a list of mixed values into an array)."""
+    return options[int(rng.integers(len(options)))]
+
+
+def mutations(flavour: str, ids: list[int], rng) -> tuple[str | bytes, str, str]:
+    """(answer body, expected outcome, what was done): outcome "raise" (a broken answer: EndpointError), "accept"
+    (the answer's greedy token stands) or "either" (a container of fields read only when present, retyped)."""
+    import math
+
+    payload, _ = valid_answer(flavour, ids)
+    text = json.dumps(payload)
+    everything = list(nodes(payload))
+    kind = rng.choice(["truncate", "drop", "retype", "number", "extra", "fewer", "rename", "deep", "big"],
+                      p=[.12, .16, .24, .2, .1, .06, .04, .04, .04])
+    if kind == "truncate":
+        cut = int(rng.integers(0, len(text)))
+        return text[:cut], "raise", f"truncated at {cut}"
+    if kind == "deep":
+        return text[:-1] + ', "zz": ' + "[" * 100_000 + "]" * 100_000 + "}", "raise", "nested 100000 deep"
+    if kind == "big":
+        return text[:-1] + ', "zz": "' + "y" * (1 << 20) + '"}', "accept", "a 1 MiB extra field"
+    if kind == "fewer":
+        top_path = tuple(int(p) if p.isdigit() else p for p in TOP_LISTS[flavour].split("."))
+        top = dict(nodes(payload))[top_path]
+        keep = int(rng.integers(0, TOP_K))
+        short = dict(list(top.items())[:keep]) if isinstance(top, dict) else top[:keep]
+        return json.dumps(replaced(payload, top_path, short)), "raise", f"top-k cut to {keep}"
+    if kind == "rename":  # a data key of vLLM's top-k, or an extra key in any dict
+        dicts = [p for p, v in everything if isinstance(v, dict)]
+        path = dicts[int(rng.integers(len(dicts)))]
+        node = dict(nodes(payload))[path]
+        data_keys = flavour == "openai-vllm" and _matches(TOP_LISTS[flavour], path)
+        new = dict(node)
+        if data_keys:
+            old = list(new)[int(rng.integers(len(new)))]
+            new[pick(rng, ["token_id:-1", "token_id: 5", "token_id:9999", " 5", "token_id:0x1f", "token_id:"])] = \
+                new.pop(old)
+            return json.dumps(replaced(payload, path, new)), "raise", f"{path}: key {old} renamed"
+        new["zz_extra"] = pick(rng, ["x", 1, None, [1, 2], {"a": {"b": 1}}])
+        return json.dumps(replaced(payload, path, new)), "accept", f"{path}: extra key"
+    if kind == "extra":
+        dicts = [p for p, v in everything if isinstance(v, dict)
+                 and not (flavour == "openai-vllm" and _matches(TOP_LISTS[flavour], p))]
+        path = dicts[int(rng.integers(len(dicts)))]
+        value = pick(rng, ["x", 10 ** 30, -1, None, float("nan"), [1, 2], {"id": -1}])
+        new = {**dict(nodes(payload))[path], f"extra_{int(rng.integers(1000))}": value}
+        return json.dumps(replaced(payload, path, new)), "accept", f"{path}: extra field"
+    if kind == "drop":
+        keyed = [p for p, _ in everything if p and isinstance(dict(nodes(payload))[p[:-1]], dict)]
+        path = keyed[int(rng.integers(len(keyed)))]
+        r = role(flavour, path)
+        return json.dumps(replaced(payload, path, DROP)), "raise" if r == "required" else "accept", f"drop {path}"
+    if kind == "retype":
+        path = everything[int(rng.integers(len(everything)))][0]
+        old = dict(nodes(payload))[path]
+        choices = [w for w in WRONG_TYPES if type(w) is not type(old)]
+        if isinstance(old, int | float) and not isinstance(old, bool):
+            choices = [w for w in choices if isinstance(w, bool) or not isinstance(w, int | float)]
+        value = choices[int(rng.integers(len(choices)))]
+        r = role(flavour, path)
+        expected = {"required": "raise", "checked": "raise", "holds-checked": "either", "ignored": "accept"}[r]
+        if r == "checked" and value in ([], {}, None, False):  # read as "not reported" is as good as absent
+            expected = "either"
+        return json.dumps(replaced(payload, path, value)), expected, f"{path} -> {value!r}"
+    # number: a numeric field set to a value no answer has, or to one that is still valid
+    numeric = [p for p, v in everything if isinstance(v, int | float) and not isinstance(v, bool)
+               and role(flavour, p) in ("required", "checked")]
+    path = numeric[int(rng.integers(len(numeric)))]
+    is_logprob = isinstance(dict(nodes(payload))[path], float)
+    count = role(flavour, path) == "checked"  # a prompt-token or cached count: len(ids) + 1 is one too many
+    value = pick(rng, [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 10 ** 30, -1, 0.5, 2 ** 63, -5.0,
+                       *([len(ids) + 1] if count else [])])
+    if is_logprob:
+        ok = isinstance(value, int | float) and math.isfinite(value) and value <= 0
+    elif count:  # every value in the pool is outside 0..len(ids) or not an integer
+        ok = False
+    else:
+        ok = False  # an id: every value in the pool is outside 0..255 or not an integer
+    return json.dumps(replaced(payload, path, value)), "accept" if ok else "raise", f"{path} -> {value!r}"
+
+
+class ScriptedEngine(FakeEngine):
+    """test_endpoint's fake engine describing its model on GET, answering `body` (set per request) on POST."""
+
+    def __init__(self, vocab: int = V4):
+        super().__init__(vocab=vocab)
+        self.body: str | bytes = b""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return super().__call__(request)
+        body = self.body.encode() if isinstance(self.body, str) else self.body
+        return httpx.Response(200, content=body, headers={"Content-Type": "application/json"})
+
+
+def scripted_adapter(flavour: str, engine: ScriptedEngine):
+    from phasekv.adapters.endpoint import EndpointAdapter
+
+    return EndpointAdapter("http://engine.test", flavour.split("-")[0], V4, retries=0, backoff=0.0,
+                           transport=httpx.MockTransport(engine))
+
+
+FUZZ_PER_FLAVOUR = 600
+FLAVOURS = ["llamacpp", "openai-llamacpp", "openai-vllm", "sglang"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_fuzzed_engine_answers_are_refused_in_one_line_or_read_right(flavour):
+    """Each generated answer (truncated, retyped, NaN, huge, missing or extra fields, fewer top-k, a wrong prompt
+    count) either raises EndpointError in one line, nothing stored, or, when harmless, gives the engine's greedy
+    token; never another exception.  The valid answer itself is accepted (the generator's baseline)."""
+    import numpy as np
+
+    from phasekv.adapters.engines import EndpointError
+    from phasekv.adapters.journal import prompt_key
+
+    rng = np.random.default_rng(FLAVOURS.index(flavour))
+    engine = ScriptedEngine()
+    adapter = scripted_adapter(flavour, engine)
+    outcomes = collections.Counter()
+    for n in range(FUZZ_PER_FLAVOUR + 1):
+        ids = [1 + n % 200, 1 + n // 200, 3]
+        if n == 0:
+            payload, greedy = valid_answer(flavour, ids)
+            body, expected, what = json.dumps(payload), "accept", "the valid answer"
+        else:
+            body, expected, what = mutations(flavour, ids, rng)
+            greedy = valid_answer(flavour, ids)[1]
+        engine.body = body
+        adapter.answered_by = None  # each answer judged alone (a renamed "model" would carry over)
+        try:
+            logits = adapter.logits(torch.tensor([ids]))
+        except EndpointError as exc:
+            assert expected in ("raise", "either"), f"{flavour} {what}: refused a good answer: {exc}"
+            assert "\n" not in str(exc) and prompt_key(ids) not in adapter.answers, what
+            outcomes["refused"] += 1
+            continue
+        assert expected in ("accept", "either"), f"{flavour} {what}: a broken answer was accepted"
+        assert int(logits[0, -1].argmax()) == greedy, what
+        outcomes["accepted"] += 1
+    assert sum(outcomes.values()) == FUZZ_PER_FLAVOUR + 1
+    assert outcomes["refused"] > FUZZ_PER_FLAVOUR // 2 and outcomes["accepted"] > 50, outcomes
+
+
+@pytest.mark.parametrize("api", ["llamacpp", "openai", "sglang"])
+def test_fuzzed_model_descriptions_are_one_line_or_a_working_adapter(api):
+    """The server's description of its model (/props, /v1/models, /get_model_info), fuzzed the same way: a working
+    adapter or one EndpointError line, never a traceback."""
+    import numpy as np
+
+    from phasekv.adapters.endpoint import EndpointAdapter
+    from phasekv.adapters.engines import EndpointError
+
+    described = {"/props": {"model_path": "/models/fake.gguf", "default_generation_settings": {"n_ctx": 4096}},
+                 "/v1/models": {"data": [{"id": "fake", "max_model_len": 4096, "meta": {"n_vocab": V4}}]},
+                 "/get_model_info": {"model_path": "org/fake"}}
+    rng = np.random.default_rng(7)
+    refused = 0
+    for _ in range(200):
+        route = pick(rng, list(described))
+        everything = list(nodes(described[route]))
+        path = everything[int(rng.integers(len(everything)))][0]
+        value = pick(rng, [*WRONG_TYPES, DROP, float("nan"), -1, 0, 10 ** 30]) if path else pick(rng, WRONG_TYPES)
+        mutated = {**described, route: replaced(described[route], path, value if path else value)}
+        if value is DROP and not path:
+            continue
+
+        def handler(request, mutated=mutated):
+            if request.url.path in mutated:
+                return httpx.Response(200, json=mutated[request.url.path])
+            return httpx.Response(404, json={"detail": "Not Found"})
+
+        try:
+            EndpointAdapter("http://engine.test", api, V4, retries=0, transport=httpx.MockTransport(handler))
+        except EndpointError as exc:
+            assert "\n" not in str(exc)
+            refused += 1
+    assert refused > 20
+
+
+@pytest.mark.parametrize("case, match", [
+    ("id-minus-one", "token id -1, outside the tokenizer's 256"),
+    ("id-past-vocab", "token id 300, outside the tokenizer's 256: wrong --tokenizer?"),
+    ("nan-logprob", "the log-probability nan"),
+    ("positive-logprob", "the log-probability 0.5"),
+    ("fewer-top-k", "3 top-k log-probabilities where 8 were asked"),
+    ("prompt-count", "read 4 prompt tokens where 3 ids were sent"),
+    ("greedy-not-in-top", "the greedy token 200, which is not among its own top-8"),
+    ("cached-negative", "-2 prompt tokens served from its cache"),
+])
+def test_each_broken_answer_of_the_issue_is_named(case, match):
+    """The issue's broken answers, one line each (llama.cpp's format; the fuzz covers every API)."""
+    from phasekv.adapters.engines import EndpointError
+
+    ids = [5, 6, 7]
+    payload, t = valid_answer("llamacpp", ids)
+    step = payload["completion_probabilities"][0]
+    if case == "id-minus-one":  # the issue's engine: token -1, top-k ids -1..-8
+        step["id"] = -1
+        for j, entry in enumerate(step["top_logprobs"]):
+            entry["id"] = -1 - j
+    elif case == "id-past-vocab":
+        step["id"] = step["top_logprobs"][0]["id"] = 300
+    elif case == "nan-logprob":
+        step["top_logprobs"][2]["logprob"] = float("nan")
+    elif case == "positive-logprob":
+        step["top_logprobs"][0]["logprob"] = 0.5
+    elif case == "fewer-top-k":
+        del step["top_logprobs"][3:]
+    elif case == "prompt-count":
+        payload["tokens_evaluated"] = 4
+    elif case == "greedy-not-in-top":
+        step["id"] = 200
+    else:
+        payload["timings"]["cache_n"] = -2
+    engine = ScriptedEngine()
+    engine.body = json.dumps(payload)
+    with pytest.raises(EndpointError, match=re.escape(match)) as caught:
+        scripted_adapter("llamacpp", engine).logits(torch.tensor([ids]))
+    assert "\n" not in str(caught.value) and t != 200
+
+
+class HTTPEngine(LoopbackServer):
+    """A fake llama.cpp server on a loopback port: /props, /v1/models and /completion answered as llama-server
+    answers (the greedy token a hash of the ids, as many top-k entries as asked, within `vocab`).  `answer(n, ids,
+    k, good)` may replace the n-th /completion answer (1-based) with (status, body); `props` streams /props' body
+    from an iterable of chunks until the client hangs up; `redirect` answers 302 to everything.  `sent`: body bytes
+    written."""
+
+    def __init__(self, vocab: int, context: int = 4096, answer=None, props=None, redirect: str | None = None):
+        self.posts, self.sent = 0, 0
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if redirect is not None:
+                    return self._send(302, b"", {"Location": redirect})
+                if self.path == "/props" and props is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()  # HTTP/1.0: the body runs until the connection closes
+                    try:
+                        for chunk in props:
+                            self.wfile.write(chunk)
+                            engine.sent += len(chunk)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    return None
+                routes = {"/props": {"model_path": "/models/fake.gguf", "default_generation_settings": {"n_ctx":
+                                                                                                         context}},
+                          "/v1/models": {"data": [{"id": "fake.gguf", "meta": {"n_vocab": vocab}}]}}
+                if self.path in routes:
+                    return self._send(200, json.dumps(routes[self.path]).encode())
+                return self._send(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                engine.posts += 1
+                if redirect is not None:
+                    return self._send(302, b"", {"Location": redirect})
+                ids, k = body["prompt"], body["n_probs"]
+                t = (sum((i + 1) * x for i, x in enumerate(ids)) * 7 + len(ids)) % vocab
+                step = {"id": t, "logprob": -0.25, "top_logprobs": [
+                    {"id": (t + j) % vocab, "token": "x", "logprob": -0.25 - j} for j in range(k)]}
+                good = {"completion_probabilities": [step], "tokens_evaluated": len(ids), "model": "fake.gguf"}
+                status, data = answer(engine.posts, ids, k, good) if answer else (200, good)
+                return self._send(status, data if isinstance(data, bytes) else json.dumps(data).encode())
+
+            def _send(self, status, data, headers=None):
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(data)
+                    engine.sent += len(data)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self._serve(Handler)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A small BPE tokenizer saved as files: what --tokenizer reads for the fake engines."""
+    from tests.helpers import bpe_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    bpe_tokenizer().save_pretrained(path)
+    return path
+
+
+def vocab_of(tokenizer: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer))
+
+
+# 8 prompts of about 75 tokens (stride 2, both protocols), as tests/test_endpoint_faults.py sends
+SMALL_AUDIT = "--format records --stride 2 --records 4 --demos 1 --local-window 4 --prompts-per-phase 1 --no-progress"
+
+
+def served_audit(url: str, tokenizer: Path, out: Path, capsys, extra: str = "") -> tuple[int, str]:
+    """(exit status, the one stderr line or '') of `phasekv audit --endpoint URL` on the small prompt set."""
+    capsys.readouterr()
+    code = main(["audit", "--endpoint", url, "--tokenizer", str(tokenizer), *SMALL_AUDIT.split(), *extra.split(),
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    if code == 0:
+        return 0, ""
+    return code, check_one_line(code, captured.err, captured.out)
+
+
+def test_an_endless_body_is_cut_at_the_cap(tmp_path, tokenizer_dir, capsys):
+    """/props streaming without end (256 MiB here) is read only up to the cap: the read stops, memory stays
+    bounded (the server could write at most the cap plus the socket buffers), the audit is one line."""
+    from phasekv.adapters.engines import Connection, EndpointError
+
+    def endless():
+        yield b'{"model_path": "'
+        for _ in range(4096):
+            yield b"a" * 65536
+
+    with HTTPEngine(256, props=endless()) as engine:
+        conn = Connection(engine.url, timeout=30, retries=0, max_bytes=1 << 20)
+        with pytest.raises(EndpointError, match=r"/props: answered more than 1 MiB"):
+            conn.request("GET", "/props")
+        conn.close()
+        time.sleep(0.5)
+        assert engine.sent < 32 << 20
+    with HTTPEngine(256, props=endless()) as engine:
+        start = time.perf_counter()
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+        time.sleep(0.5)
+        assert code == 2 and "answered more than 16 MiB" in line, line
+        assert engine.sent < 64 << 20 and time.perf_counter() - start < 60
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_broken_engine_answer_stops_the_audit_before_anything_is_scored(tmp_path, tokenizer_dir, capsys):
+    """The issue's engine: token -1 and top-k ids -1..-8.  Exit 2 naming it, no OUT, no journal left behind."""
+    def broken(n, ids, k, good):
+        step = good["completion_probabilities"][0]
+        step["id"] = -1
+        step["top_logprobs"] = [{"id": -1 - j, "token": "x", "logprob": -0.25 - j} for j in range(k)]
+        return 200, good
+
+    with HTTPEngine(vocab_of(tokenizer_dir), answer=broken) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+    assert code == 2 and "token id -1, outside the tokenizer's" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_redirect_is_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
+    with HTTPEngine(256, redirect="http://127.0.0.1:9/elsewhere") as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, tmp_path / "out", capsys)
+    assert code == 2 and "HTTP 302, a redirect to 'http://127.0.0.1:9/elsewhere'" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, tokenizer_dir, capsys):
+    """A refused run leaves nothing; a failed run keeps its journal only inside OUT's temporary directory (never a
+    file beside OUT); a journal line without an answer's fields is named with its line; --resume publishes the
+    journal inside OUT and nothing else remains."""
+    from phasekv.adapters.journal import journal_path
+
+    vocab, out = vocab_of(tokenizer_dir), tmp_path / "out"
+    with HTTPEngine(vocab, context=16) as engine:  # every prompt is longer than the server's context
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
+    assert code == 2 and "exceeds the model's context (16 tokens)" in line, line
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+    def three_then_gone(n, ids, k, good):
+        return (200, good) if n <= 3 else (400, {"error": {"message": "slot unavailable"}})
+
+    with HTTPEngine(vocab, answer=three_then_gone) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
+    assert code == 2 and "slot unavailable" in line, line
+    journal = journal_path(out)
+    assert journal.is_file() and len(journal.read_text().splitlines()) == 4  # the header and three answers
+    assert all(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join([*lines, '{"key": "abc"}']) + "\n")  # complete JSON, no answer
+    with HTTPEngine(vocab) as engine:
+        code, line = served_audit(engine.url, tokenizer_dir, out, capsys, "--resume")
+    assert code == 2 and f"{journal}: line 5 is not a journaled answer (it lacks token, top, cached)" in line, line
+    journal.write_text("\n".join(lines) + "\n")
+    with HTTPEngine(vocab) as engine:
+        assert served_audit(engine.url, tokenizer_dir, out, capsys, "--resume") == (0, "")
+        asked = engine.posts
+    assert asked == 8 - 3  # the three journaled prompts were not asked again
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert len((out / "endpoint_journal.jsonl").read_text().splitlines()) == 9
+    assert json.loads((out / "endpoint.json").read_text())["answers_from_journal"] == 3
+
+
+def _full_disk(command: str, size: str, tmp_path: Path) -> tuple[int, str, list[str]]:
+    """(exit status, stderr, what is left on the disk) of `python COMMAND` run with {disk} a tmpfs of `size` in a
+    private mount namespace: a real full file system without touching this machine's."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + str(REPO), "OMP_NUM_THREADS": "1"}
+    script = (f"mount -t tmpfs -o size={size} none {disk} && {sys.executable} {command.format(disk=disk)}; "
+              f"code=$?; echo LEFT: $(ls -A {disk}); exit $code")
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    left = proc.stdout.rsplit("LEFT:", 1)[-1].split()
+    return proc.returncode, proc.stderr, left
+
+
+def _can_mount() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=4k none /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+needs_mount = pytest.mark.skipif(not _can_mount(), reason="needs unshare --mount and tmpfs (root)")
+
+
+@needs_mount
+def test_a_full_disk_during_gguf_export_is_one_line_and_leaves_no_file(tmp_path):
+    """The issue's case: a tmpfs too small for the GGUF.  Exit 2, "no space left on DISK writing FILE", the disk
+    left empty (no partial file, no temporary)."""
+    pytest.importorskip("gguf")
+    code, err, left = _full_disk(f"-m phasekv.cli export gguf --checkpoint {REPO}/checkpoints/dsv4-csa --out "
+                                 "{disk}/m.gguf", "256k", tmp_path)
+    disk = tmp_path / "disk"
+    assert f"no space left on {disk} writing {disk}/m.gguf" in check_one_line(code, err, "")
+    assert left == [], left
+
+
+# an output directory written on a full disk, through the outputs module as every command writes its --out
+FILL_OUT = """-c "
+import sys
+from phasekv.outputs import OutputError, output_dir, write_json
+try:
+    with output_dir(sys.argv[1]) as tmp:
+        write_json(tmp / 'summary.json', {{'x': 'y' * 100000}})
+except OutputError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(2)
+" {disk}/out"""
+
+
+@needs_mount
+def test_a_full_disk_under_an_output_directory_names_the_file_and_leaves_nothing(tmp_path):
+    code, err, left = _full_disk(FILL_OUT, "16k", tmp_path)
+    disk = tmp_path / "disk"
+    assert code == 2 and f"no space left on {disk} writing {disk}/.out.tmp-" in err and "summary.json" in err, err
+    assert len(err.strip().splitlines()) == 1 and left == [], (err, left)

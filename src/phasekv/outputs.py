@@ -12,6 +12,10 @@ only when complete, and removes temporary siblings that killed runs left behind.
 
 `write_json` and `write_jsonl` are the one way phasekv writes a JSON or JSON-lines file: each file keeps the
 layout it has always had (indentation, key order), set by the caller.
+
+A write that fails (a full disk, a quota, a read-only file system) is one `OutputError` naming the file or the
+output being written and the cause, "no space left on MOUNT writing PATH" (`write_error`), and leaves no partial
+file: `write_atomic` removes its temporary, `output_dir` its temporary directory.
 """
 
 from __future__ import annotations
@@ -46,14 +50,77 @@ def fsync_tree(directory: Path) -> None:
     fsync_dir(directory)
 
 
+class OutputError(OSError):
+    """Writing an output failed; the message (one line) names what was written and why."""
+
+
+# errors only a write gives: with them the output being written is the one to name
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+# an OSError without errno (numpy's "N requested and M written") is a full disk when less than this is free
+_NEARLY_FULL = 1 << 20
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _free_bytes(path: Path) -> int | None:
+    with contextlib.suppress(OSError):
+        stat = os.statvfs(_mount_point(path))
+        return stat.f_bavail * stat.f_frsize
+    return None
+
+
+def write_error(exc: OSError, path: str | Path) -> OutputError:
+    """The one-line error of a failed write of `path`: "no space left on MOUNT writing PATH" for a full disk (also
+    when the writer lost the errno), else "cannot write PATH: CAUSE"."""
+    if isinstance(exc, OutputError):
+        return exc
+    path = Path(path)
+    free = _free_bytes(path)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) or exc.errno is None and free is not None and free < _NEARLY_FULL:
+        quota = " (the disk quota)" if exc.errno == errno.EDQUOT else ""
+        return OutputError(f"no space left on {_mount_point(path)}{quota} writing {path} ({free or 0:,} bytes free); "
+                           "free some space or write elsewhere")
+    cause = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+    return OutputError(f"cannot write {path}: {cause}")
+
+
+def _full(exc: OSError, path: str | Path) -> bool:
+    free = _free_bytes(Path(path)) if exc.errno is None else None
+    return exc.errno in _WRITE_ERRNOS or free is not None and free < _NEARLY_FULL
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, block: bool = False) -> Iterator[None]:
+    """Turn a failed write inside the block into `write_error` naming `path` (or the file the error names).
+    `block`: the block does more than write (`output_dir`'s), so only errors that writes alone give (a full disk,
+    a read-only file system) are turned; others keep their own message."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as exc:
+        if _full(exc, exc.filename or path) or not block and exc.filename is None:
+            raise write_error(exc, exc.filename or path) from None
+        raise
+
+
 def write_atomic(path: Path, content: str | bytes) -> None:
     """Write a file under a temporary name, flush it, then rename it into place (never half-written)."""
     tmp = path.with_name(path.name + ".tmp")
     data = content if isinstance(content, bytes) else content.encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with writing(path), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -67,13 +134,14 @@ def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = True
     if atomic:
         write_atomic(path, text)
     else:
-        path.write_text(text)
+        with writing(path):
+            path.write_text(text)
     return path
 
 
 def write_jsonl(path: Path, rows: Any, *, sort_keys: bool = False) -> Path:
     """One JSON object per line."""
-    with open(path, "w") as f:
+    with writing(path), open(path, "w") as f:
         f.writelines(json.dumps(row, sort_keys=sort_keys) + "\n" for row in rows)
     return path
 
@@ -228,9 +296,10 @@ def output_dir(out: str | Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        mark(tmp)
-        yield tmp
-        publish_checked(tmp, out, force)
+        with writing(out, block=True):
+            mark(tmp)
+            yield tmp
+            publish_checked(tmp, out, force)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

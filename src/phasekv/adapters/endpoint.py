@@ -42,8 +42,17 @@ from typing import Any
 import httpx
 import torch
 
+from phasekv.adapters.answers import answer_problem, check_answer, check_server
 from phasekv.adapters.base import Adapter, ModelInfo
-from phasekv.adapters.engines import APIS, Answer, Connection, EndpointError, vllm_cache_config
+from phasekv.adapters.engines import (
+    APIS,
+    Answer,
+    Connection,
+    EndpointError,
+    check_timeout,
+    check_url,
+    vllm_cache_config,
+)
 from phasekv.adapters.journal import Journal, journal_path, prompt_key
 
 log = logging.getLogger(__name__)
@@ -75,6 +84,20 @@ def check_options(api: str, concurrency: int, top_k: int = 1) -> None:
         raise EndpointError(f"top_k: must be >= 1, got {top_k}")
 
 
+def check_reuse_prefix(api: str, reuse_prefix: bool) -> None:
+    if reuse_prefix and not APIS[api].cache_switch:
+        raise EndpointError(f"--reuse-prefix: the {api} API has no per-request prompt-cache switch (SGLang's radix "
+                            "cache is set when the server starts: --disable-radix-cache); drop --reuse-prefix")
+
+
+def check_endpoint_options(options: EndpointOptions) -> None:
+    """Every --endpoint flag, checked before anything is loaded or asked."""
+    check_url(options.url)
+    check_timeout(options.timeout)
+    check_options(options.api, options.concurrency)
+    check_reuse_prefix(options.api, options.reuse_prefix)
+
+
 class EndpointAdapter(Adapter):
     """The adapter of a served model (see the module docstring).  `vocab_size`: the tokenizer's, checked
     against the server's where it reports one."""
@@ -85,10 +108,11 @@ class EndpointAdapter(Adapter):
                  concurrency: int = 1, reuse_prefix: bool = False, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 0.5, transport: httpx.BaseTransport | None = None):
         check_options(api, concurrency, top_k)
+        check_reuse_prefix(api, reuse_prefix)
         self.api, self.top_k, self.concurrency, self.reuse_prefix = APIS[api], top_k, concurrency, reuse_prefix
         self.conn = Connection(url, timeout=timeout, retries=retries, backoff=backoff, concurrency=concurrency,
                                transport=transport)
-        server = self.api.identify(self.conn, model)
+        server = self._identify(model)
         if server.vocab_size is not None and server.vocab_size != vocab_size:
             raise EndpointError(f"{url} serves {server.model} with a vocabulary of {server.vocab_size} tokens, the "
                                 f"tokenizer has {vocab_size}: wrong --tokenizer or wrong model")
@@ -110,12 +134,28 @@ class EndpointAdapter(Adapter):
         self.answered_by: str | None = None  # the "model" the server's first answer named (llama.cpp, OpenAI, vLLM)
         self._lock = threading.Lock()
 
+    def _identify(self, model: str | None):
+        """The served model's description, its fields checked (a malformed one is one line, not a traceback)."""
+        try:
+            server = self.api.identify(self.conn, model)
+        except EndpointError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise EndpointError(f"{self.conn.url}: its description of the served model is malformed "
+                                f"({type(exc).__name__}: {exc}); is --api right?") from None
+        return check_server(server, self.conn.url)
+
     def settings(self) -> dict[str, Any]:
         """What a journal must agree on to be resumed: the same server answers to the same requests."""
         return {"api": self.api.name, "model": self.model, "top_k": self.top_k, "reuse_prefix": self.reuse_prefix}
 
     def attach(self, journal: Journal) -> None:
         """Journal every answer from now on; the journal's answers are not asked again."""
+        for key, answer in journal.answers.items():  # an edited journal is refused like a broken answer
+            problem = answer_problem(answer, None, vocab_size=self.info.vocab_size, top_k=self.top_k, sent=None)
+            if problem is not None:
+                raise EndpointError(f"{journal.path}: the answer {key} holds {problem}: remove the journal or use "
+                                    "--force to start over")
         self.journal = journal
         self.answers.update(journal.answers)
 
@@ -140,10 +180,7 @@ class EndpointAdapter(Adapter):
         answers = [a for group in self.answer(groups) for a in group]
         out = torch.full((len(answers), 1, self.info.vocab_size), FLOOR)
         for row, answer in enumerate(answers):
-            ids = torch.tensor([i for i, _ in answer.top], dtype=torch.long)
-            if max(answer.token, *ids.tolist()) >= self.info.vocab_size:
-                raise EndpointError(f"the server answered token id {max(answer.token, *ids.tolist())}, outside the "
-                                    f"tokenizer's {self.info.vocab_size}: wrong --tokenizer")
+            ids = torch.tensor([i for i, _ in answer.top], dtype=torch.long)  # checked: inside the vocabulary
             out[row, 0, ids] = torch.tensor([max(lp, FLOOR / 2) for _, lp in answer.top])
             if int(out[row, 0].argmax()) != answer.token:  # a tie in the top-k: the engine's own pick wins
                 out[row, 0, answer.token] = out[row, 0].max() + 1e-4
@@ -189,9 +226,7 @@ class EndpointAdapter(Adapter):
             payload = self.conn.request("POST", self.api.path, self.api.body(ids, self.top_k, self.model,
                                                                               self.reuse_prefix))
             answer, read = self.api.parse(payload)
-            if read is not None and read != len(ids):
-                raise EndpointError(f"the server read {read} prompt tokens where {len(ids)} ids were sent (did it "
-                                    "add a BOS or tokenize the prompt as text?)")
+            check_answer(answer, read, vocab_size=self.info.vocab_size, top_k=self.top_k, sent=len(ids))
             if answer.cached and not self.reuse_prefix:  # vLLM caches prefixes unless told not to, whatever we ask
                 raise EndpointError(f"the server reused {answer.cached} cached prompt tokens in a run without prompt "
                                     "cache: its prefix cache is on (vLLM: start it with --no-enable-prefix-caching; "
@@ -210,18 +245,20 @@ class EndpointAdapter(Adapter):
 
     def close(self) -> None:
         self.conn.close()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def open_endpoint(options: EndpointOptions, out: str | Path | None = None, force: bool = False):
     """(EndpointAdapter, tokenizer) for `phasekv audit/eval --endpoint`: the tokenizer is read locally (the
     prompts are built as ids here), the server is checked to serve a model of that vocabulary, and, with `out`,
-    answers go to the run's journal beside OUT (`journal_path`; continued with `options.resume`, replaced with
-    `force`); the command that publishes OUT moves it there (`keep_journal`)."""
+    answers go to the run's journal in OUT's temporary directory (`journal_path`; continued with `options.resume`,
+    replaced with `force`); the command that publishes OUT publishes it inside OUT (`published`)."""
     from phasekv.adapters.hf import load_tokenizer
 
     if options.tokenizer is None:
         raise ValueError("--endpoint: needs --tokenizer DIR (the served model's tokenizer)")
-    check_options(options.api, options.concurrency)  # before the (slow) tokenizer
+    check_endpoint_options(options)  # before the (slow) tokenizer
     tokenizer = load_tokenizer(options.tokenizer, options.gguf_file, flag="--tokenizer")
     adapter = EndpointAdapter(options.url, options.api, len(tokenizer), model=options.model,
                               concurrency=options.concurrency, reuse_prefix=options.reuse_prefix,

@@ -13,15 +13,21 @@ decode-step audit `generate_body` and `parse_steps`, several greedy tokens per r
 `--api NAME` then reaches it, and the adapter (`phasekv.adapters.endpoint`) needs no change.
 
 `Connection` retries connection errors (refused, reset, timed out, a body cut short) and 5xx answers with
-exponential backoff; anything else is a one-line `EndpointError`.
+exponential backoff; anything else is a one-line `EndpointError`.  Every read is bounded: an answer larger than
+`MAX_ANSWER_BYTES` is refused as it streams in (an endless body never fills memory), each chunk must come within
+the timeout and the whole answer within twice it; a redirect is refused (phasekv never follows one).  The parses read
+token ids and log-probabilities strictly (an id is a JSON integer, a log-probability a JSON number);
+`phasekv.adapters.answers` then checks each answer against its request and the tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,9 @@ from typing import Any
 import httpx
 
 log = logging.getLogger(__name__)
+
+# the largest answer read from a server: a completion with its top-k is a few kB, llama.cpp's /props tens of kB
+MAX_ANSWER_BYTES = 16 << 20
 
 
 class EndpointError(ValueError):
@@ -56,35 +65,54 @@ class Connection:
     """httpx client with timeouts and bounded retries (exponential backoff) on connection errors and 5xx."""
 
     def __init__(self, url: str, *, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 concurrency: int = 1, transport: httpx.BaseTransport | None = None):
-        if not url.startswith(("http://", "https://")):
-            raise EndpointError(f"--endpoint {url}: must be an http:// or https:// URL")
-        self.url, self.retries, self.backoff = url.rstrip("/"), retries, backoff
+                 concurrency: int = 1, transport: httpx.BaseTransport | None = None,
+                 max_bytes: int = MAX_ANSWER_BYTES):
+        check_url(url)
+        check_timeout(timeout)
+        self.url, self.retries, self.backoff, self.max_bytes = url.rstrip("/"), retries, backoff, max_bytes
+        self.deadline_s = 2 * timeout  # the whole answer, however it trickles in
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                    limits=httpx.Limits(max_connections=concurrency + 1), transport=transport)
 
     def request(self, method: str, path: str, body: dict | None = None) -> Any:
-        """The decoded JSON answer; EndpointError when unreachable after the retries, on a 4xx, or on non-JSON."""
+        """The decoded JSON answer; EndpointError when unreachable after the retries, on a 3xx or 4xx, on an answer
+        over `max_bytes`, or on non-JSON."""
         where = f"{self.url}{path}"
         for attempt in range(self.retries + 1):
             try:
-                response = self.client.request(method, path, json=body)
+                status, reason, headers, data = self._exchange(method, path, body, where)
             except httpx.TransportError as exc:  # refused, reset, timed out: the server may be (re)starting
                 problem = f"cannot reach the server ({type(exc).__name__}: {_first_line(str(exc))})"
             else:
-                if response.status_code < 500:
+                if status < 500:
                     break
-                problem = f"HTTP {response.status_code} ({_message(response)})"
+                problem = f"HTTP {status} ({_message(data, reason)})"
             if attempt == self.retries:
                 raise EndpointError(f"{where}: {problem}, after {self.retries + 1} tries")
             log.info("%s: %s; retrying", where, problem)
             time.sleep(self.backoff * 2 ** attempt)
-        if response.status_code >= 400:
-            raise EndpointError(f"{where}: HTTP {response.status_code} ({_message(response)})")
-        try:
-            return response.json()
-        except ValueError:
-            raise EndpointError(f"{where}: answered non-JSON ({_first_line(response.text)[:120]!r})") from None
+        if 300 <= status < 400:
+            raise EndpointError(f"{where}: HTTP {status}, a redirect to {headers.get('location', '(nowhere)')!r}: "
+                                "phasekv does not follow redirects; give the server's own URL as --endpoint")
+        if status >= 400:
+            raise EndpointError(f"{where}: HTTP {status} ({_message(data, reason)})")
+        return _decode(data, where)
+
+    def _exchange(self, method: str, path: str, body: dict | None, where: str) -> tuple[int, str, Any, bytes]:
+        """(status, reason, headers, body) of one request, the body read at most `max_bytes` and within
+        `deadline_s` (a trickle past it reads as a timeout, which is retried)."""
+        deadline = time.monotonic() + self.deadline_s
+        with self.client.stream(method, path, json=body) as response:
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > self.max_bytes:
+                    raise EndpointError(f"{where}: answered more than {self.max_bytes >> 20} MiB (HTTP "
+                                        f"{response.status_code}); an engine's answer is a few kB: is this the "
+                                        "engine's URL?")
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"the answer took more than {self.deadline_s:g} s to arrive")
+            return response.status_code, response.reason_phrase, response.headers, bytes(data)
 
     def get_optional(self, path: str) -> Any:
         """GET `path`, or None where the server has no such route (404)."""
@@ -99,12 +127,45 @@ class Connection:
         self.client.close()
 
 
-def _message(response: httpx.Response) -> str:
+def check_url(url: Any) -> None:
+    """Refuse, in one line, an --endpoint that is not an http(s) URL naming a host (and a port in 1-65535)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise EndpointError(f"--endpoint {url}: must be an http:// or https:// URL")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError past 65535
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise EndpointError(f"--endpoint {url}: not a valid URL ({_first_line(str(exc))})") from None
+    if not parts.hostname:
+        raise EndpointError(f"--endpoint {url}: names no host")
+    if port == 0:
+        raise EndpointError(f"--endpoint {url}: port 0 is no server's port (1-65535)")
+
+
+def check_timeout(timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise EndpointError(f"--timeout: must be a finite number of seconds > 0, got {timeout}")
+
+
+def _decode(data: bytes, where: str) -> Any:
+    """The JSON of an answer's body (NaN and Infinity are read as numbers: the answer checks refuse them)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise EndpointError(f"{where}: answered JSON nested too deep to be a completion") from None
+    except ValueError:  # UnicodeDecodeError included
+        text = data[:400].decode("utf-8", errors="replace")
+        raise EndpointError(f"{where}: answered non-JSON ({_first_line(text)[:120]!r})") from None
+
+
+def _message(data: bytes, reason: str) -> str:
     """A server's error message: llama.cpp / OpenAI {"error": {"message"}}, FastAPI {"detail"}, else the text."""
     try:
-        payload = response.json()
-    except ValueError:
-        return _first_line(response.text)[:200] or response.reason_phrase
+        payload = json.loads(data)
+    except (ValueError, RecursionError):
+        return _first_line(data[:400].decode("utf-8", errors="replace"))[:200] or reason
     if isinstance(payload, dict):
         error = payload.get("error", payload.get("detail", payload.get("message")))
         if isinstance(error, dict):
@@ -127,6 +188,7 @@ class Api:
 
     name: str
     path: str
+    cache_switch = True  # the request can turn the engine's prompt cache on and off (--reuse-prefix)
 
     def body(self, ids: list[int], top_k: int, model: str, cache_prompt: bool) -> dict[str, Any]:
         raise NotImplementedError
@@ -151,8 +213,25 @@ def _not_completion(api: str, payload: Any) -> EndpointError:
     return EndpointError(f"the server did not answer with a {api} completion: {json.dumps(payload)[:160]}")
 
 
-def _ranked(top: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    return sorted(((int(i), float(lp)) for i, lp in top), key=lambda t: -t[1])
+def _ranked(top: list[tuple[Any, Any]]) -> list[tuple[int, float]]:
+    return sorted(((_id(i), _logprob(lp)) for i, lp in top), key=lambda t: -t[1])
+
+
+def _id(value: Any) -> int:
+    """A token id as the answer gave it: a JSON integer (not a string, a float or a boolean)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"token id {value!r} is not an integer")
+    return value
+
+
+def _logprob(value: Any) -> float:
+    """A log-probability as the answer gave it: a JSON number (its value is checked in `answers`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"log-probability {value!r} is not a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"log-probability {value} is out of range") from None
 
 
 def _served_models(conn: Connection) -> list[dict[str, Any]]:
@@ -186,9 +265,9 @@ class LlamaCppApi(Api):
             step = payload["completion_probabilities"][0]
             top = [(p["id"], p["logprob"]) for p in step["top_logprobs"]]
             # timings.cache_n: prompt tokens reused from the slot (tokens_cached counts the slot after the request)
-            answer = Answer(int(step["id"]), _ranked(top), (payload.get("timings") or {}).get("cache_n"))
+            answer = Answer(_id(step["id"]), _ranked(top), (payload.get("timings") or {}).get("cache_n"))
             read = payload.get("tokens_evaluated")
-        except (KeyError, IndexError, TypeError, ValueError):
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise _not_completion(self.name, payload) from None
         return answer, read
 
@@ -235,12 +314,14 @@ class OpenAIApi(Api):
             if "content" in logprobs:  # llama.cpp: ids alongside the text
                 step = logprobs["content"][0]
                 top = [(p["id"], p["logprob"]) for p in step["top_logprobs"]]
-                return Answer(int(step["id"]), _ranked(top), cached), read
+                return Answer(_id(step["id"]), _ranked(top), cached), read
             token = _token_id(logprobs["tokens"][0])  # OpenAI/vLLM: tokens as strings
             top = [(_token_id(t), lp) for t, lp in logprobs["top_logprobs"][0].items()]
-        except (KeyError, IndexError, TypeError, AttributeError):
+            return Answer(token, _ranked(top), cached), read
+        except EndpointError:
+            raise
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             raise _not_completion(self.name, payload) from None
-        return Answer(token, _ranked(top), cached), read
 
     def identify(self, conn, model):
         served = _served_models(conn)
@@ -286,13 +367,17 @@ def _token_id(token: str) -> int:
     if not (isinstance(token, str) and token.startswith("token_id:")):
         raise EndpointError(f"the server answered the token as text ({token!r}), not as an id: phasekv needs ids "
                             "(vLLM: return_tokens_as_token_ids; llama.cpp: --api llamacpp)")
-    return int(token[len("token_id:"):])
+    digits = token[len("token_id:"):]
+    if not (digits.isascii() and digits.isdigit()):  # no sign, space or underscore that int() would accept
+        raise ValueError(f"token {token!r} is not token_id:N")
+    return int(digits)
 
 
 class SGLangApi(Api):
     """SGLang's native /generate with input_ids; meta_info's logprobs are (logprob, id, text) triples."""
 
     name, path = "sglang", "/generate"
+    cache_switch = False
 
     def body(self, ids, top_k, model, cache_prompt):
         # SGLang's radix cache is a server setting (--disable-radix-cache), not a per-request switch
@@ -302,11 +387,11 @@ class SGLangApi(Api):
     def parse(self, payload):
         try:
             meta = payload["meta_info"]
-            token = int(meta["output_token_logprobs"][0][1])
+            token = _id(meta["output_token_logprobs"][0][1])
             top = [(t[1], t[0]) for t in meta["output_top_logprobs"][0]]
             answer = Answer(token, _ranked(top), meta.get("cached_tokens"))
             read = meta.get("prompt_tokens")
-        except (KeyError, IndexError, TypeError, ValueError):
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise _not_completion(self.name, payload) from None
         return answer, read
 

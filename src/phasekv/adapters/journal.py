@@ -1,24 +1,30 @@
 """The endpoint journal: every answer of a served model appended as it arrives, so a killed run resumes.
 
-One fsync'd JSON line per prompt, after a header line of the settings the answers depend on.  A run's journal lives
-beside OUT (`journal_path`) until the run is published; then `keep_journal` moves it into OUT with endpoint.json, how
-the answers were obtained.  The library keeps the journal end to end: `open_endpoint(..., out=OUT)` opens it, the
-command that publishes OUT (`phasekv eval --endpoint`, `phasekv audit --endpoint`) keeps it.
+One fsync'd JSON line per prompt, after a header line of the settings the answers depend on.  Until the run is
+published, its journal lives in OUT's resumable temporary directory (`journal_dir`: `.NAME.tmp-journal` beside OUT,
+one of the output's temporaries, never a file of its own beside OUT), which a failed run keeps for --resume and a run
+refused before its first answer removes (`Journal.close`).  `published` builds OUT (`phasekv.outputs.output_dir`)
+with the journal and endpoint.json, how the answers were obtained, inside it, so they are published with OUT in its
+one atomic step.  The library keeps the journal end to end: `open_endpoint(..., out=OUT)` opens it, the command that
+publishes OUT (`phasekv eval --endpoint`, `phasekv audit --endpoint`) publishes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from phasekv.adapters.engines import Answer, EndpointError
-from phasekv.outputs import fsync_dir, write_json
+from phasekv.outputs import fsync_dir, output_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,9 @@ class Journal:
         self.path, self.settings = Path(path), settings
         self.answers: dict[str, Answer] = {}
         self._lock = threading.Lock()
-        if self.path.exists() and not fresh:
+        self.created = not self.path.exists() or fresh  # by this run: removed again if it journals nothing
+        self.added = 0
+        if not self.created:
             if not resume:
                 raise EndpointError(f"{self.path}: the journal of an interrupted run exists: pass --resume to "
                                     "continue it (only unanswered prompts are sent) or --force to start over")
@@ -57,21 +65,24 @@ class Journal:
         if len(complete) < len(data):
             with open(self.path, "r+b") as f:
                 f.truncate(len(complete))
-        lines = complete.decode().splitlines()
         try:
+            lines = complete.decode().splitlines()
             header = json.loads(lines[0]) if lines else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             header = {}
-        if header.get("journal") != JOURNAL_VERSION:
+        if not isinstance(header, dict) or header.get("journal") != JOURNAL_VERSION:
             raise EndpointError(f"{self.path}: not a phasekv endpoint journal; remove it or use --force")
         stored = {k: v for k, v in header.items() if k != "journal"}
         if stored != self.settings:
             diff = {k: (stored.get(k), v) for k, v in self.settings.items() if stored.get(k) != v}
             raise EndpointError(f"{self.path}: written with other settings (journal, now: {diff}); --resume needs "
                                 "the same ones, or use --force to start over")
-        for line in lines[1:]:
-            entry = json.loads(line)
-            self.answers[entry["key"]] = Answer(entry["token"], [tuple(t) for t in entry["top"]], entry["cached"])
+        for number, line in enumerate(lines[1:], start=2):
+            key, answer = _entry(line)
+            if answer is None:
+                raise EndpointError(f"{self.path}: line {number} is not a journaled answer ({key}); remove the "
+                                    "journal or use --force to start over")
+            self.answers[key] = answer
 
     def _append(self, entry: dict[str, Any]) -> None:
         with self._lock, open(self.path, "a") as f:
@@ -82,18 +93,76 @@ class Journal:
     def add(self, key: str, answer: Answer) -> None:
         self.answers[key] = answer
         self._append({"key": key, **asdict(answer)})
+        self.added += 1
+
+    def close(self) -> None:
+        """A journal this run created and never added to (a run refused before its first answer) is removed, with
+        its directory when nothing else is in it: a refused run leaves nothing behind."""
+        if self.created and self.added == 0 and self.path.exists():
+            self.path.unlink()
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
+
+
+def _entry(line: str) -> tuple[str, Answer | None]:
+    """(key, answer) of a journal line; (what is wrong, None) when the line is no answer this module wrote."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return "not JSON", None
+    if not isinstance(entry, dict):
+        return "not a JSON object", None
+    missing = [f for f in ("key", "token", "top", "cached") if f not in entry]
+    if missing:
+        return f"it lacks {', '.join(missing)}", None
+    key, token, top, cached = entry["key"], entry["token"], entry["top"], entry["cached"]
+    pairs = top if isinstance(top, list) else None
+    if not (isinstance(key, str) and _integer(token) and (cached is None or _integer(cached)) and pairs is not None
+            and all(isinstance(p, list) and len(p) == 2 and _integer(p[0]) and _number(p[1]) for p in pairs)):
+        return "a field of the wrong type", None
+    return key, Answer(token, [(i, float(lp)) for i, lp in pairs], cached)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+JOURNAL_NAME = "endpoint_journal.jsonl"  # its name in the temporary directory and in the published OUT
+
+
+def journal_dir(out: str | Path) -> Path:
+    """OUT's resumable temporary directory, where a run's journal lives until the run is published."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.tmp-journal")
 
 
 def journal_path(out: str | Path) -> Path:
-    """Where a run's journal lives until the run is published: beside OUT (a killed run leaves no OUT)."""
-    out = Path(out)
-    return out.with_name(out.name + ".journal.jsonl")
+    """Where a run's journal lives until the run is published (`journal_dir`)."""
+    return journal_dir(out) / JOURNAL_NAME
 
 
-def keep_journal(adapter, out: str | Path) -> None:
-    """After OUT is published: OUT/endpoint.json (how the answers were obtained) and the journal moved into OUT
-    as endpoint_journal.jsonl (every prompt's top-k log-probabilities)."""
-    out = Path(out)
+@contextlib.contextmanager
+def published(out: str | Path, force: bool, adapter=None) -> Iterator[Path]:
+    """`output_dir(out, force)` that, for an endpoint `adapter`, also publishes its endpoint.json and journal with
+    OUT (both written into the temporary directory before its atomic publish) and then removes the journal's
+    temporary directory."""
+    with output_dir(out, force) as tmp:
+        yield tmp
+        if adapter is not None:
+            keep_journal(adapter, tmp)
+    if adapter is not None and adapter.journal is not None:
+        shutil.rmtree(adapter.journal.path.parent, ignore_errors=True)
+        fsync_dir(adapter.journal.path.parent.parent)
+
+
+def keep_journal(adapter, tmp: Path) -> None:
+    """Into the directory `tmp` that becomes OUT: endpoint.json (how the answers were obtained) and the journal as
+    endpoint_journal.jsonl (every prompt's top-k log-probabilities), a hard link where the file system allows one
+    (the journal stays where it is until OUT is published), else a copy."""
     cached = [a.cached for a in adapter.answers.values() if a.cached is not None]
     record = {**adapter.settings(), "endpoint": adapter.conn.url, "concurrency": adapter.concurrency,
               "prompt_cache": "reuse-prefix" if adapter.reuse_prefix else "off", "answers": len(adapter.answers),
@@ -109,8 +178,9 @@ def keep_journal(adapter, out: str | Path) -> None:
         log.warning("%d of %d answers did not say how many prompt tokens the server took from its cache: that no "
                     "prompt cache served them is not checked (vLLM reports it with --enable-prompt-tokens-details)",
                     len(adapter.answers) - len(cached), len(adapter.answers))
-    write_json(out / "endpoint.json", record, atomic=True)
+    write_json(tmp / "endpoint.json", record)
     if adapter.journal is not None and adapter.journal.path.exists():
-        os.replace(adapter.journal.path, out / "endpoint_journal.jsonl")
-        fsync_dir(out)
-        fsync_dir(adapter.journal.path.parent)
+        try:
+            os.link(adapter.journal.path, tmp / JOURNAL_NAME)
+        except OSError:
+            shutil.copyfile(adapter.journal.path, tmp / JOURNAL_NAME)

@@ -1,17 +1,17 @@
 """`phasekv audit --hf DIR [--gguf-file NAME] --format records --compress none select:3 mean --out OUT`, or the
 model as an inference engine serves it: `phasekv audit --endpoint URL --api llamacpp|openai|sglang --tokenizer DIR
 [--gguf-file NAME] [--concurrency N] [--reuse-prefix] [--resume] [--reference-hf DIR] --out OUT` (the engine's own
-compression is what is audited, so only the condition `none` applies; answers are journaled in OUT.journal.jsonl as
-they arrive; --reference-hf compares them with the same weights in transformers).  `--protocol prefix insequence
-query` chooses the prompt protocols (query: the query phase).  Every flag, the format file and the prompt set's size
-are checked before anything is loaded (`check_flags`)."""
+compression is what is audited, so only the condition `none` applies; answers are journaled as they arrive and the
+journal is published inside OUT; --reference-hf compares them with the same weights in transformers).  `--protocol
+prefix insequence query` chooses the prompt protocols (query: the query phase).  Every flag, the format file and the
+prompt set's size are checked before anything is loaded (`check_flags`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, endpoint_options
+from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, check_source_flags, endpoint_options
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 
@@ -57,8 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
     p.add_argument("--batch-size", type=int, default=AUDIT_DEFAULTS["batch_size"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", help="torch dtype of the --hf model (default float32)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--expect", metavar="FILE", help="--endpoint/--launch: a regression gate: exit status 3, one line "
                                                     "per violated expectation (verdict classes, agreement lower "
@@ -87,10 +87,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
     if args.records < args.demos + 1:
         raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
                          "of other records (--demos)")
-    if args.endpoint is not None and not args.timeout > 0:
-        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    check_source_flags(args)
     if args.endpoint is None:
-        resolve_device(args.device)
+        resolve_device(args.device or "auto")
     if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
         load_format(args.format, args.chat)
     check_conditions(conditions, Geometry(args.window, args.stride, args.local_window))
@@ -116,22 +115,23 @@ def run(args) -> dict[str, Any]:
 
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
+    device, dtype = args.device or "auto", args.dtype or "float32"
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     check_reference(args.endpoint is not None, args.reference_hf)
     cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
-                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed, device=args.device,
-                       dtype=args.dtype, threads=args.threads, gguf_file=args.gguf_file)
+                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed, device=device,
+                       dtype=dtype, threads=args.threads, gguf_file=args.gguf_file)
     plan = AuditPlan(conditions, args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
     reference = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, args.device, args.dtype, gguf_file=args.gguf_file)
+        reference, _ = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
     else:
-        adapter, tokenizer = load_hf(args.hf, args.device, args.dtype, gguf_file=args.gguf_file)
+        adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
                             progress=not args.no_progress, reference=reference)

@@ -20,6 +20,7 @@ from phasekv.cli.flags import (
     add_prompt_arguments,
     add_source_arguments,
     check_prompt_count,
+    check_source_flags,
     endpoint_options,
     given_flags,
     prompts_at_least,
@@ -41,6 +42,7 @@ def run(args) -> dict[str, Any]:
     from phasekv.adapters.endpoint import check_reference
     from phasekv.evaluate.runner import run_eval
 
+    check_source_flags(args)
     check_reference(args.endpoint is not None, args.reference_hf)
     if args.endpoint is not None:
         return run_endpoint(args)

@@ -32,17 +32,23 @@ def add_endpoint_arguments(p, source) -> None:
     """--endpoint (one more choice of the `source` group) and its flags (shared by eval and audit)."""
     source.add_argument("--endpoint", metavar="URL", help="an inference engine serving the model, e.g. "
                                                           "http://127.0.0.1:8080 (llama.cpp, vLLM, SGLang)")
-    p.add_argument("--api", default="llamacpp", help="--endpoint: llamacpp (/completion), openai (/v1/completions) "
-                                                     "or sglang (/generate)")
+    p.add_argument("--api", help="--endpoint: llamacpp (/completion, the default), openai (/v1/completions) or "
+                                 "sglang (/generate)")
     p.add_argument("--tokenizer", metavar="DIR", help="--endpoint: the served model's tokenizer (prompts are sent as "
                                                       "its token ids; with --gguf-file, read from that GGUF file)")
     p.add_argument("--model", help="--endpoint: the served model's name (default: the one model the server serves)")
-    p.add_argument("--concurrency", type=int, default=1, help="--endpoint: requests in flight at once")
+    p.add_argument("--concurrency", type=int, help="--endpoint: requests in flight at once (default 1)")
     p.add_argument("--reuse-prefix", action="store_true", help="--endpoint: send a context's queries back to back "
                                                                "with the engine's prompt cache on (default: off)")
-    p.add_argument("--timeout", type=float, default=600.0, help="--endpoint: seconds one request may take")
-    p.add_argument("--resume", action="store_true", help="--endpoint: continue the journal of a killed run, "
-                                                         "OUT.journal.jsonl (only unanswered prompts are sent)")
+    p.add_argument("--timeout", type=float, help="--endpoint: seconds one request may take (default 600)")
+    p.add_argument("--resume", action="store_true", help="--endpoint: continue the journal of a killed or failed "
+                                                         "run (only unanswered prompts are sent)")
+
+
+# the flags only an --endpoint reads (their defaults are None or False, so a given one is seen)
+ENDPOINT_ONLY = ("api", "tokenizer", "model", "concurrency", "reuse_prefix", "timeout", "resume")
+# the flags only an in-process transformers model reads; with --endpoint, that is the --reference-hf model
+IN_PROCESS_ONLY = ("dtype", "device", "device_map")
 
 
 def add_launch_arguments(p, source) -> None:
@@ -72,12 +78,33 @@ def add_launch_arguments(p, source) -> None:
 
 
 def endpoint_options(args):
-    """The EndpointOptions of the --endpoint flags."""
+    """The EndpointOptions of the --endpoint flags (unset ones at EndpointOptions' defaults)."""
     from phasekv.adapters.endpoint import EndpointOptions
 
-    return EndpointOptions(args.endpoint, tokenizer=args.tokenizer, api=args.api,
-                           gguf_file=getattr(args, "gguf_file", None), model=args.model, concurrency=args.concurrency,
-                           reuse_prefix=args.reuse_prefix, timeout=args.timeout, resume=args.resume)
+    given = {name: getattr(args, name) for name in ("api", "concurrency", "timeout") if getattr(args, name) is not None}
+    return EndpointOptions(args.endpoint, tokenizer=args.tokenizer, gguf_file=getattr(args, "gguf_file", None),
+                           model=args.model, reuse_prefix=args.reuse_prefix, resume=args.resume, **given)
+
+
+def check_source_flags(args) -> None:
+    """Refuse a flag the chosen model source would ignore: an --endpoint flag with --hf or --checkpoint, an
+    in-process flag (--dtype, --device, --device-map) with an --endpoint that has no --reference-hf to apply it to;
+    with --endpoint, every endpoint flag is checked too (URL, API, concurrency, timeout, --reuse-prefix)."""
+    endpoint = getattr(args, "endpoint", None)
+    if endpoint is None:
+        source = "--hf" if getattr(args, "hf", None) is not None else "--checkpoint"
+        for name in ENDPOINT_ONLY:
+            value = getattr(args, name, None)
+            if value is not None and value is not False:  # 0 is given (`0 in (None, False)` would say it is not)
+                raise ValueError(f"--{name.replace('_', '-')}: applies to --endpoint only, not to {source}: drop it")
+        return
+    from phasekv.adapters.endpoint import check_endpoint_options
+
+    for name in IN_PROCESS_ONLY:
+        if getattr(args, name, None) is not None and (name == "device_map" or args.reference_hf is None):
+            raise ValueError(f"--{name.replace('_', '-')}: applies to an in-process model (--hf, or --reference-hf "
+                             "beside --endpoint); the engine chooses its own: drop it")
+    check_endpoint_options(endpoint_options(args))
 
 
 def add_prompt_arguments(p) -> None:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from phasekv.adapters.base import Adapter
 from phasekv.adapters.endpoint import EndpointAdapter
 from phasekv.adapters.engines import EndpointError
-from phasekv.adapters.journal import Journal, journal_path, keep_journal
+from phasekv.adapters.journal import Journal, journal_path, published
 from phasekv.adapters.launch import EngineDied
 from phasekv.adapters.launchers import Launcher, point_name, started
 from phasekv.config import EvalConfig
@@ -153,13 +153,12 @@ def _point(grid: EngineGrid, settings: dict[str, str], sets: dict[str, EvalSet],
             adapter = EndpointAdapter(url, grid.engine.api, vocab_size, timeout=grid.timeout)
             try:
                 adapter.attach(Journal(journal_path(work / name), adapter.settings(), resume=True))
-                with output_dir(work / name) as tmp:
+                with published(work / name, False, adapter) as tmp:
                     point = measure(adapter, sets, tmp, cfg=cfg, logprobs=logprobs, reference=reference,
                                      checks=checks, progress=progress)
                     point.update({"name": name, "settings": settings, "engine_report": grid.engine.report(adapter.conn),
                                   "elapsed_s": round(time.perf_counter() - began, 1)})
                     write_json(tmp / "point.json", point)
-                keep_journal(adapter, work / name)
             finally:
                 adapter.close()
     except (EngineDied, EndpointError) as exc:

@@ -27,7 +27,7 @@ import torch
 
 from phasekv.adapters.base import Adapter, Wrapped
 from phasekv.adapters.endpoint import EndpointAdapter
-from phasekv.adapters.journal import keep_journal, prompt_key
+from phasekv.adapters.journal import prompt_key, published
 from phasekv.data.protocols import EvalSet
 from phasekv.evaluate.metrics import wilson_interval
 from phasekv.evaluate.runner import predict
@@ -115,15 +115,12 @@ def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path,
     same weights in process), OUT/comparison.json too."""
     from phasekv.evaluate.runner import write_run
     from phasekv.evaluate.sources import make_eval_set, prompt_settings, tokenizer_vocabulary
-    from phasekv.outputs import output_dir
-
     vocab, defaults = tokenizer_vocabulary(tokenizer, cfg)
     eval_set = make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **prompt_settings(cfg, defaults))
     records = predict(adapter, eval_set, cfg.batch_size or 32, not cfg.one_by_one, progress)
     comparison = compare(adapter, reference, eval_set) if reference is not None else None
-    with output_dir(out, force) as tmp:
+    with published(out, force, adapter) as tmp:
         metrics = write_run(adapter, eval_set, records, tmp, cfg.seed)
         if comparison is not None:
             write_json(tmp / "comparison.json", comparison)
-    keep_journal(adapter, out)
     return metrics

@@ -50,6 +50,7 @@ anyway).  `word_tokenizer` is the same vocabulary as a transformers tokenizer (w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -346,12 +347,13 @@ def word_tokenizer(vocab: Any, size: int):
 
 def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32", name: str = "phasekv") -> dict:
     """Write `model` (llama.cpp-shaped: `widen` first) and `vocab` as a GGUF file at `out`, atomically (a
-    temporary sibling, flushed, renamed).  f16 stores the matrices as float16 except those transformers keeps in
-    float32 (hyper-connections, sinks, compressor biases, norms); 1-D tensors are always float32."""
+    temporary sibling, flushed, renamed; a failed write, a full disk included, is one line and leaves no file).
+    f16 stores the matrices as float16 except those transformers keeps in float32 (hyper-connections, sinks,
+    compressor biases, norms); 1-D tensors are always float32."""
     import gguf
     import numpy as np
 
-    from phasekv.outputs import fsync_dir
+    from phasekv.outputs import fsync_dir, write_error
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
@@ -393,8 +395,11 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
             os.fsync(f.fileno())
         os.replace(tmp, out)
         fsync_dir(out.parent)
+    except OSError as exc:  # numpy's short write ("32768 requested and 19496 written") carries no errno
+        raise write_error(exc, out) from None
     finally:
-        writer.close()
+        with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too
+            writer.close()
         tmp.unlink(missing_ok=True)
     return {"file": str(out), "tensors": len(tensors), "dtype": dtype, "bytes": out.stat().st_size}
 
@@ -458,11 +463,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
     model, _ = load_checkpoint(checkpoint)
     wide = arch.widen(model)
     name = resolve(checkpoint).name
-    if hf_out is not None:  # first: a refused --hf-out leaves no GGUF behind
+    if hf_out is None:
+        summary = write_gguf(wide, vocab, out, dtype, name)
+    else:  # the GGUF is written before --hf-out is published: a failed one leaves neither behind
         with output_dir(hf_out, force) as tmp:
             wide.save_pretrained(tmp)
             word_tokenizer(vocab, wide.config.vocab_size).save_pretrained(tmp)
-    summary = write_gguf(wide, vocab, out, dtype, name)
+            summary = write_gguf(wide, vocab, out, dtype, name)
     widened = {field: [getattr(model.config, field), getattr(wide.config, field)]
                for field in ("hc_mult", "index_head_dim") if hasattr(model.config, field)}
     return {**summary, "checkpoint": str(checkpoint), "widened": widened,

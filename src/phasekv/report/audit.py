@@ -25,8 +25,8 @@ fixed, the prompt length varied): its query-phase curve gets the same verdict, a
 cells a heatmap.  With a `reference` (the engine's weights in process, for an endpoint audit) the same prompts
 go through it as well: OUT/comparison.json, the engine-vs-reference agreement per source and query phase
 (`phasekv.evaluate.served`), also in summary.json and the report; a served model's own account of its
-settings (llama.cpp's /props and /slots) is summary.json's `engine_report`.  An endpoint's journal is kept in OUT
-when OUT is published (`phasekv.adapters.journal.keep_journal`).
+settings (llama.cpp's /props and /slots) is summary.json's `engine_report`.  An endpoint's journal is published
+inside OUT (`phasekv.adapters.journal.published`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from phasekv.adapters.base import Adapter
 from phasekv.adapters.conditions import Geometry, check_conditions, condition_adapter
 from phasekv.adapters.endpoint import EndpointAdapter, check_reference
-from phasekv.adapters.journal import keep_journal
+from phasekv.adapters.journal import published
 from phasekv.adapters.launchers import running_settings
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
@@ -50,7 +50,7 @@ from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
-from phasekv.outputs import output_dir, write_json
+from phasekv.outputs import write_json
 from phasekv.report.html import comparison_table, figure, page, pct, query_phase_table
 from phasekv.report.reproduce import METRIC_KEYS, check_finite
 
@@ -87,7 +87,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     check_conditions(conditions, geometry)
     vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
     started = time.perf_counter()
-    with output_dir(out, force) as tmp:
+    with published(out, force, adapter if served else None) as tmp:
         sets = audit_sets(vocab, cfg, protocols, plan.prompts_per_phase)
         adapter.check_length(max(s.prompt_length for s in sets.values()))
         results: dict[str, Any] = {}
@@ -126,8 +126,6 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
         check_finite(summary)
         write_json(tmp / "summary.json", summary)
         write_audit_report(summary, tmp)
-    if served:
-        keep_journal(adapter, out)
     return summary
 
 
