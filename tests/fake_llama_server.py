@@ -103,8 +103,10 @@ def main(argv: list[str] | None = None) -> None:
             ids, steps = list(prompt), []
             for _ in range(body.get("n_predict", 1)):
                 token = answer(ids, args, vocab, cached=shared if len(ids) == len(prompt) else 0, batched=batched)
-                top = [{"id": token, "logprob": -0.1}, {"id": (token + 2) % vocab, "logprob": -2.5}]
-                steps.append({"id": token, "logprob": -0.1, "top_logprobs": top[:max(1, body.get("n_probs", 1))]})
+                k = max(1, body.get("n_probs", 1))  # as many top entries as asked, distinct ids, falling log-probs
+                top = [{"id": token, "logprob": -0.1}] + [{"id": (token + 2 + i) % vocab, "logprob": -2.5 - i}
+                                                          for i in range(k - 1)]
+                steps.append({"id": token, "logprob": -0.1, "top_logprobs": top})
                 ids.append(token)
             with lock:
                 active[:] = [a for a in active if a is not mine]

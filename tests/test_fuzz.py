@@ -1237,7 +1237,7 @@ def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, t
     vocab, out = vocab_of(tokenizer_dir), tmp_path / "out"
     with HTTPEngine(vocab, context=16) as engine:  # every prompt is longer than the server's context
         code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
-    assert code == 2 and "exceeds the model's context (16 tokens)" in line, line
+    assert code == 2 and "exceeds the model's context (15 tokens)" in line, line
     assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
 
     def three_then_gone(n, ids, k, good):

@@ -121,15 +121,15 @@ def test_a_run_without_prompt_cache_refuses_an_answer_from_the_prefix_cache():
         return httpx.Response(200, json=RECORDED_CACHED)
 
     adapter = EndpointAdapter("http://engine.test", "openai", 49152, transport=httpx.MockTransport(engine), top_k=3)
-    with pytest.raises(EndpointError, match="reused 16 cached prompt tokens.*--no-enable-prefix-caching") as err:
+    with pytest.raises(EndpointError, match="reused 3 cached prompt tokens.*--no-enable-prefix-caching") as err:
         adapter.logits(torch.tensor([[504, 3458, 314, 3365]]))
     assert "\n" not in str(err.value)
     reuse = EndpointAdapter("http://engine.test", "openai", 49152, transport=httpx.MockTransport(engine), top_k=3,
                             reuse_prefix=True)
-    assert reuse.answer([[[504, 3458, 314, 3365]]])[0][0].cached == 16  # asked for: counted, not refused
+    assert reuse.answer([[[504, 3458, 314, 3365]]])[0][0].cached == 3  # asked for: counted, not refused
 
 
-RECORDED_CACHED = {**RECORDED, "usage": {**RECORDED["usage"], "prompt_tokens_details": {"cached_tokens": 16}}}
+RECORDED_CACHED = {**RECORDED, "usage": {**RECORDED["usage"], "prompt_tokens_details": {"cached_tokens": 3}}}
 
 
 def test_a_run_whose_server_does_not_report_cached_tokens_says_the_cache_was_not_checked(tmp_path, caplog):

@@ -38,7 +38,7 @@ def grid_of(args):
         raise ValueError("--engine-checks decode: compares with the reference: needs --reference-hf")
     slots = args.batch_width if "batch" in args.engine_checks else 1
     return EngineGrid(engine, binary, model, tuple(points), context=args.engine_context * slots, slots=slots,
-                      timeout=args.timeout)
+                      **({} if args.timeout is None else {"timeout": args.timeout}))
 
 
 def checks_of(args) -> dict:
@@ -67,12 +67,14 @@ def run_launched(args) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
     cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
-                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed, device=args.device,
-                       dtype=args.dtype, threads=args.threads, gguf_file=args.gguf_file)
+                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed,
+                       device=args.device or "auto", dtype=args.dtype or "float32", threads=args.threads,
+                       gguf_file=args.gguf_file)
     tokenizer = load_tokenizer(args.tokenizer, args.gguf_file, flag="--tokenizer")
     reference = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, args.device, args.dtype, gguf_file=args.gguf_file)
+        reference, _ = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
+                               gguf_file=args.gguf_file)
     summary = run_grid(grid, tokenizer, cfg, args.out, protocols=tuple(dict.fromkeys(args.protocol)),
                        per_phase=args.prompts_per_phase, reference=reference, checks=checks_of(args), force=args.force,
                        resume=args.resume, progress=not args.no_progress)

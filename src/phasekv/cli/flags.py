@@ -89,9 +89,11 @@ def endpoint_options(args):
 def check_source_flags(args) -> None:
     """Refuse a flag the chosen model source would ignore: an --endpoint flag with --hf or --checkpoint, an
     in-process flag (--dtype, --device, --device-map) with an --endpoint that has no --reference-hf to apply it to;
-    with --endpoint, every endpoint flag is checked too (URL, API, concurrency, timeout, --reuse-prefix)."""
+    with --endpoint, every endpoint flag is checked too (URL, API, concurrency, timeout, --reuse-prefix); with
+    --launch, the endpoint flags apply to the engine phasekv starts."""
     endpoint = getattr(args, "endpoint", None)
-    if endpoint is None:
+    launched = getattr(args, "launch", None) is not None  # phasekv starts the engine: its flags apply too
+    if endpoint is None and not launched:
         source = "--hf" if getattr(args, "hf", None) is not None else "--checkpoint"
         for name in ENDPOINT_ONLY:
             value = getattr(args, name, None)
@@ -104,7 +106,8 @@ def check_source_flags(args) -> None:
         if getattr(args, name, None) is not None and (name == "device_map" or args.reference_hf is None):
             raise ValueError(f"--{name.replace('_', '-')}: applies to an in-process model (--hf, or --reference-hf "
                              "beside --endpoint); the engine chooses its own: drop it")
-    check_endpoint_options(endpoint_options(args))
+    if endpoint is not None:
+        check_endpoint_options(endpoint_options(args))
 
 
 def add_prompt_arguments(p) -> None:
