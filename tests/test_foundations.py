@@ -405,3 +405,16 @@ def test_families_probes_and_report_name_no_architecture():
              for n, line in enumerate(path.read_text().splitlines(), 1) for name in ARCHITECTURE_NAMES if name in line]
     assert not found, f"architecture names outside src/phasekv/archs/: {found}"
     assert all(any(name in p.read_text() for p in (SRC / "archs").glob("*.py")) for name in ARCHITECTURE_NAMES[:8])
+
+
+@pytest.mark.parametrize("module", ["phasekv", "phasekv.cli"])
+def test_python_dash_m_runs_the_command(module):
+    """`python -m phasekv` and `python -m phasekv.cli` are the `phasekv` command: its help, and its exit 2 on a bad
+    subcommand."""
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "audit" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", module, "no-such-command"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2, bad.stderr
