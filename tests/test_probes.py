@@ -430,3 +430,15 @@ def test_grid_shifts_average_the_shifted_curves_and_restore_the_grid(vocab, eval
     assert np.allclose(result["randomized"]["per_phase"], curves.mean(0))
     assert any(r["per_phase"] != clean["per_phase"] for r in result["per_shift"][1:])  # the shifts act
     assert (tmp_path / "grid_shifts.json").is_file()
+
+
+def test_phase_bootstrap_refuses_an_empty_record_set_in_one_line():
+    """An evaluation with no prompts has nothing to resample: one clear error, not numpy's on an empty array."""
+    from phasekv.evaluate.profiles import phase_bootstrap
+
+    with pytest.raises(ValueError, match="no records to resample"):
+        phase_bootstrap([[]], stride=4, n_boot=10)
+    with pytest.raises(ValueError, match="no records to resample"):
+        phase_bootstrap([], stride=4, n_boot=10)
+    records = [{"cluster": c, "phase": c % 4, "correct": c % 2} for c in range(8)]
+    assert phase_bootstrap([records], stride=4, n_boot=10).shape == (10, 1, 4)

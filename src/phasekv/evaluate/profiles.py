@@ -31,6 +31,8 @@ def phase_bootstrap(record_sets: Sequence[Sequence[Mapping]], stride: int, n_boo
     to every record set, so differences between the sets (relative changes, R^2 of one against
     another) get intervals that respect both the pairing and the correlation inside an example.
     """
+    if not record_sets or not record_sets[0]:
+        raise ValueError("phase_bootstrap: no records to resample (an evaluation with no prompts)")
     clusters = [np.asarray([r["cluster"] for r in records]) for records in record_sets]
     if any(len(c) != len(clusters[0]) or np.any(c != clusters[0]) for c in clusters):
         raise ValueError("phase_bootstrap: the record sets must cover the same prompts in the same order")
