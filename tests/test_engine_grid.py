@@ -208,7 +208,8 @@ def test_the_audit_command_runs_a_grid_and_refuses_bad_flags_in_one_line(tmp_pat
     assert "ubatch=8" in capsys.readouterr().out
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["grid"] == [{"ubatch": "8"}]
     for flags, message in ((["--engine-grid", "ubatch=x"], "integer"),
-                           (["--engine-bin", str(tmp_path / "none")], "no such file")):
+                           (["--engine-bin", str(tmp_path / "none")], "no such file"),
+                           (["--engine-grid", "ubatch=8", "--timeout", "0"], "finite number of seconds > 0")):
         assert main([*base, *flags, "--out", str(tmp_path / "p")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0] and not (tmp_path / "p").exists()

@@ -29,6 +29,9 @@ def grid_of(args):
         raise ValueError(f"--engine-model {model}: no such file")
     if args.tokenizer is None:
         raise ValueError("--launch: needs --tokenizer DIR (the served model's tokenizer)")
+    if args.timeout is not None and (isinstance(args.timeout, bool) or not args.timeout > 0
+                                     or args.timeout == float("inf")):
+        raise ValueError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
     for name in ("engine_context", "decode_steps", "batch_width"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
