@@ -361,6 +361,7 @@ def test_every_cited_section_and_rule_exists():
 
 # where a module's tests live when they are not in tests/test_<module>.py
 TESTED_IN = {
+    "__main__": "test_foundations.py",  # `python -m phasekv` and `python -m phasekv.cli`, both entry points
     "layers": "test_model.py",  # RMSNorm and RoPE against their references, with the model
     "kernels": "test_attention.py",  # each kernel against its oracle, `windowed_attention_reference`
     "hf_config": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes
