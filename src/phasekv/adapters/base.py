@@ -95,3 +95,17 @@ class Wrapped(Adapter):
 
     def check_length(self, length: int) -> None:
         self.inner.check_length(length)
+
+
+def spec_fields(text: str, parts: list[str], *, what: str, keys: tuple[str, ...]) -> dict[str, str]:
+    """The `key=value` items `parts` of a condition spec `text` (a kpool: or slices: condition) as strings, each key
+    one of `keys` and given once; a one-line ValueError, starting with `what` and the spec, otherwise."""
+    fields: dict[str, str] = {}
+    for part in parts:
+        key, eq, value = part.strip().partition("=")
+        if key not in keys or not eq or not value:
+            raise ValueError(f"{what} {text!r}: cannot read {part!r} (keys: {', '.join(keys)})")
+        if key in fields:
+            raise ValueError(f"{what} {text!r}: {key} given twice")
+        fields[key] = value
+    return fields

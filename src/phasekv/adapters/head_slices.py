@@ -38,7 +38,6 @@ Layout: attention tensors are (B, H, T, D) as in transformers; masks (B | 1, G, 
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.base import ModelInfo, Wrapped, spec_fields
 from phasekv.adapters.selection import _configs, attention_modules, call_geometry
 
 ATTENTION_NAME = "phasekv_head_masks"
@@ -107,7 +106,7 @@ class SliceSpec:
         return mine | fixed[None, None]
 
 
-_KEY = re.compile(r"^(kind|size|shift|group|local|sink|seed)=(.+)$")
+_KEYS = ("kind", "size", "shift", "group", "local", "sink", "seed")
 
 
 def parse_slices(text: str) -> SliceSpec:
@@ -117,14 +116,7 @@ def parse_slices(text: str) -> SliceSpec:
         raise ValueError(f"slices {text!r}: expected slices:kind=contiguous|interleaved[,size=L][,shift=fixed|layer|"
                          "random][,group=kv|query][,local=N][,sink=N][,seed=N]")
     fields: dict[str, Any] = {}
-    for part in filter(None, body.split(",")):
-        match = _KEY.match(part.strip())
-        if not match:
-            raise ValueError(f"slices {text!r}: cannot read {part!r} (keys: kind, size, shift, group, local, sink, "
-                             "seed)")
-        key, value = match.groups()
-        if key in fields:
-            raise ValueError(f"slices {text!r}: {key} given twice")
+    for key, value in spec_fields(text, list(filter(None, body.split(","))), what="slices", keys=_KEYS).items():
         if key not in ("kind", "shift", "group") and not value.isdigit():
             raise ValueError(f"slices {text!r}: {key}={value!r} is not a whole number")
         fields[key] = value if key in ("kind", "shift", "group") else int(value)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.base import ModelInfo, Wrapped, spec_fields
 
 ATTENTION_NAME = "phasekv_selection"
 HEAD_MODES = ("shared", "kv")
@@ -97,7 +96,7 @@ class SelectionSpec:
         return ((self.budget * (positions + 1).double() / self.pool).round().long()).clamp(min=1)
 
 
-_KEY = re.compile(r"^(pool|top|budget|local|sink|heads|indexer)=(.+)$")
+_KEYS = ("pool", "top", "budget", "local", "sink", "heads", "indexer")
 
 
 def parse_selection(text: str) -> SelectionSpec:
@@ -107,14 +106,7 @@ def parse_selection(text: str) -> SelectionSpec:
         raise ValueError(f"selection {text!r}: expected kpool:pool=P,top=K[,budget=F][,local=L][,sink=N]"
                          "[,heads=shared|kv][,indexer=oracle|mean|max|distilled:DIR]")
     fields: dict[str, Any] = {}
-    for part in body.split(","):
-        match = _KEY.match(part.strip())
-        if not match:
-            raise ValueError(f"selection {text!r}: cannot read {part!r} (keys: pool, top, budget, local, sink, "
-                             "heads, indexer)")
-        key, value = match.groups()
-        if key in fields:
-            raise ValueError(f"selection {text!r}: {key} given twice")
+    for key, value in spec_fields(text, body.split(","), what="selection", keys=_KEYS).items():
         try:
             fields[key] = float(value) if key == "budget" else value if key in ("heads", "indexer") else int(value)
         except ValueError:
