@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from phasekv.outputs import MARKER, check_output_dir, output_dir, publish, recover, write_atomic
+from phasekv.outputs import MARKER, append_jsonl, check_output_dir, output_dir, publish, recover, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -111,3 +111,14 @@ def test_publish_swaps_atomically_and_recover_brings_a_swap_copy_back(tmp_path):
     assert (directory / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["d", "d.old"]
     recover(directory)  # nothing to do
     assert (directory / "v").read_text() == "2"
+
+
+def test_append_jsonl_adds_one_line_and_fsyncs_only_when_durable(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    log = tmp_path / "log.jsonl"
+    append_jsonl(log, {"b": 1, "a": [1, 2]})
+    assert synced == []  # a plain log line is not fsync'd
+    append_jsonl(log, {"b": 1, "a": [1, 2]}, compact=True, durable=True)
+    assert len(synced) == 1
+    assert log.read_text().splitlines() == ['{"b": 1, "a": [1, 2]}', '{"b":1,"a":[1,2]}']

@@ -146,11 +146,17 @@ def write_jsonl(path: Path, rows: Any, *, sort_keys: bool = False) -> Path:
     return path
 
 
-def append_jsonl(path: Path, row: Any, *, sort_keys: bool = False) -> Path:
+def append_jsonl(path: Path, row: Any, *, sort_keys: bool = False, compact: bool = False,
+                 durable: bool = False) -> Path:
     """`row` as one more JSON line at the end of `path` (a log that grows: a kill leaves at most a torn last line,
-    which its readers skip)."""
+    which its readers skip).  `compact` drops the spaces after separators; `durable` fsyncs the line before
+    returning (a journal whose every line must survive a crash)."""
+    separators = (",", ":") if compact else None
     with open(path, "a") as f:
-        f.write(json.dumps(row, sort_keys=sort_keys) + "\n")
+        f.write(json.dumps(row, sort_keys=sort_keys, separators=separators) + "\n")
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     return path
 
 

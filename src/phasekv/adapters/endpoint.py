@@ -125,8 +125,10 @@ class EndpointAdapter(Adapter):
         mode = "reuse-prefix" if reuse_prefix else "no prompt cache"
         # the answer is one generated token, which needs a place in the context too (vLLM refuses a prompt of
         # max_model_len tokens as "max_tokens must be at least 1, got 0")
-        self.info = ModelInfo(f"{server.model} via {api} ({mode})", vocab_size, 0, 0, 0, 0,
-                              server.context - 1 if server.context else 1 << 30, None, None)
+        self.info = ModelInfo(name=f"{server.model} via {api} ({mode})", vocab_size=vocab_size, num_layers=0,
+                              num_heads=0, num_kv_heads=0, head_dim=0,
+                              max_length=server.context - 1 if server.context else 1 << 30, stride=None,
+                              local_window=None)
         self.module, self.device = None, torch.device("cpu")
         self.journal: Journal | None = None
         self.answers: dict[str, Answer] = {}

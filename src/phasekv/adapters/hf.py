@@ -119,11 +119,12 @@ class HFAdapter(Adapter):
         text = text_config(cfg)
         heads = text.num_attention_heads
         self.module, self.device = model.eval(), next(model.parameters()).device
-        self.info = ModelInfo(name, text.vocab_size, text.num_hidden_layers, heads,
-                              getattr(text, "num_key_value_heads", None) or heads,
-                              getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)  # o_proj input
-                              or text.hidden_size // heads,
-                              getattr(text, "max_position_embeddings", 1 << 30), stride, local_window)
+        self.info = ModelInfo(name=name, vocab_size=text.vocab_size, num_layers=text.num_hidden_layers,
+                              num_heads=heads, num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                              head_dim=getattr(text, "v_head_dim", None) or getattr(text, "head_dim", None)
+                              or text.hidden_size // heads,  # o_proj input
+                              max_length=getattr(text, "max_position_embeddings", 1 << 30), stride=stride,
+                              local_window=local_window)
         forward = inspect.signature(self.module.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"  # renamed in transformers 5.x
         # the cache is what a prefill wants: the LM head runs on the last position only where the class allows it

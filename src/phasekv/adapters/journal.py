@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.adapters.engines import Answer, EndpointError
-from phasekv.outputs import fsync_dir, output_dir, write_json
+from phasekv.outputs import append_jsonl, fsync_dir, output_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,8 @@ class Journal:
             self.answers[key] = answer
 
     def _append(self, entry: dict[str, Any]) -> None:
-        with self._lock, open(self.path, "a") as f:
-            f.write(json.dumps(entry, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with self._lock:
+            append_jsonl(self.path, entry, compact=True, durable=True)
 
     def add(self, key: str, answer: Answer) -> None:
         self.answers[key] = answer

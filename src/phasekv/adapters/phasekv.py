@@ -25,9 +25,10 @@ class PhaseKVAdapter(Adapter):
         cfg = model.config
         self.module, self.device = model.eval(), next(model.parameters()).device
         windowed = any(kind != "full" for kind in cfg.layer_types)
-        self.info = ModelInfo(name, cfg.vocab_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-                              cfg.num_key_value_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.phase_stride,
-                              cfg.local_window if windowed else None)
+        self.info = ModelInfo(name=name, vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                              num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, max_length=cfg.max_position_embeddings,
+                              stride=cfg.phase_stride, local_window=cfg.local_window if windowed else None)
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.module.model.layers]

@@ -28,12 +28,12 @@ order of their window starts; order is irrelevant to attention once RoPE has bee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.base import Wrapped
 from phasekv.adapters.hf import HFAdapter, read_only
 
 POLICIES = ("select:r", "mean", "max-norm")
@@ -149,8 +149,8 @@ class PosthocAdapter(Wrapped):
     def __init__(self, inner: HFAdapter, policy: str, *, window: int, stride: int, local_window: int = 16):
         check_geometry(window, stride, local_window)
         i = inner.info
-        super().__init__(inner, ModelInfo(f"{i.name} posthoc {policy} W{window}/S{stride}", i.vocab_size, i.num_layers,
-                                          i.num_heads, i.num_kv_heads, i.head_dim, i.max_length, stride, local_window))
+        super().__init__(inner, replace(i, name=f"{i.name} posthoc {policy} W{window}/S{stride}", stride=stride,
+                                        local_window=local_window))
         self.policy = parse_policy(policy, window)
         self.window, self.stride, self.local_window = window, stride, local_window
         self.bytes = {"full": 0, "compressed": 0}

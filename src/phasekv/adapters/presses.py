@@ -47,14 +47,14 @@ import importlib.metadata
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.base import Wrapped
 from phasekv.adapters.hf import HFAdapter
 from phasekv.adapters.posthoc import cache_bytes
 from phasekv.families import repeat_cache
@@ -280,8 +280,8 @@ class PressAdapter(Wrapped):
                              "(it returns attention weights): load the model with sdpa attention")
         self.press = self.spec.build()
         i = inner.info
-        super().__init__(inner, ModelInfo(f"{i.name} press {self.spec.text}", i.vocab_size, i.num_layers, i.num_heads,
-                                          i.num_kv_heads, i.head_dim, i.max_length, stride or i.stride, None))
+        super().__init__(inner, replace(i, name=f"{i.name} press {self.spec.text}", stride=stride or i.stride,
+                                        local_window=None))
         self.rows_separately = self.spec.name in ROWS_SEPARATELY
         self.period = stride or i.stride or 1
         self.bytes = {"full": 0, "compressed": 0}

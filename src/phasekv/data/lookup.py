@@ -311,9 +311,10 @@ class TrainingStream:
                 answer[t] = True
             supervised.append(ok)
             latest_end[record] = start + rec - 1
-        return Example(np.asarray(ids, dtype=np.int64), labels, answer, "lookup", prefix,
-                       tuple(layout.record_positions), tuple(layout.query_positions), tuple(queries),
-                       tuple(supervised))
+        return Example(np.asarray(ids, dtype=np.int64), labels, answer, "lookup", prefix=prefix,
+                       record_positions=tuple(layout.record_positions),
+                       query_positions=tuple(layout.query_positions), query_records=tuple(queries),
+                       supervised=tuple(supervised))
 
 
 def _stack(examples: list[Example]) -> Batch:

@@ -302,12 +302,13 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
     targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
                               n_clusters=n_clusters, t=t, query_position=query_position, local_window=local_window,
                               rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
-
-    geo = _Geometry(protocol, R, stride, g, gap, pitch, rec, lead, header, tail, fillers_total, query_position,
-                    local_window, n_records, n_demos, key_tokens, value_tokens, seed, _TAG[protocol], spacer)
+    geo = _Geometry(protocol=protocol, R=R, stride=stride, g=g, gap=gap, pitch=pitch, rec=rec, lead=lead, header=header,
+                    tail=tail, fillers_total=fillers_total, query_position=query_position, local_window=local_window,
+                    n_records=n_records, n_demos=n_demos, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
+                    tag=_TAG[protocol], spacer=spacer)
     contexts = [ctx for c, target_records in enumerate(targets)
                 for ctx in _cluster_contexts(vocab, geo, c, target_records)]
-    return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings)
+    return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings=settings)
 
 
 class _Geometry(NamedTuple):
@@ -366,8 +367,9 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
             placed = pos == geo.lead + f + geo.pitch * i + (0 if geo.protocol == "query" else s)
             if not placed or not outside_local_window(pos + geo.rec - 1, query_position, geo.local_window):
                 raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
-            queries.append(Query(tuple(keys[i].tolist()), int(values[i][0]), pos, pos % geo.R, pos % geo.stride, s,
-                                 c, geo.protocol, i, query_position))
+            queries.append(Query(key=tuple(keys[i].tolist()), answer=int(values[i][0]), target_position=pos,
+                                 residue=pos % geo.R, phase=pos % geo.stride, shift=s, cluster=c,
+                                 protocol=geo.protocol, record=i, query_position=query_position))
         contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
     return contexts
 

@@ -71,7 +71,8 @@ def audit_design(protocol: str, prompts_per_phase: int = AUDIT_PROMPTS_PER_PHASE
     lower layer cannot import (tests/test_power.py checks that they agree)."""
     g = math.gcd(2 + (protocol == "insequence"), 8)
     clusters = math.ceil(math.ceil(prompts_per_phase / (8 // g)) / g) * g
-    return Design(f"audit{prompts_per_phase}", protocol, 8, 8, 24, 4, clusters)
+    return Design(f"audit{prompts_per_phase}", protocol, stride=8, residue_modulus=8, n_records=24, n_demos=4,
+                  n_clusters=clusters)
 
 
 DESIGNS = {**{f"audit-{p}": audit_design(p) for p in ("prefix", "insequence", "query")},
