@@ -36,13 +36,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.engine sta
 from tests.engine import LLAMA_SERVER, engine_present, llama_server  # noqa: E402
 from tests.helpers import SMOL, SMOL_FILE  # noqa: E402
 
-from phasekv.adapters.engines import EndpointAdapter  # noqa: E402
+from phasekv.adapters.endpoint import EndpointAdapter  # noqa: E402
 from phasekv.adapters.hf import load_tokenizer  # noqa: E402
 from phasekv.data.formats import FormatVocabulary, load_format  # noqa: E402
 from phasekv.data.protocols import build_eval_set  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402
 
 MODES = {"c1": (1, False), "c4": (4, False), "reuse": (1, True), "reuse_c4": (4, True)}
+
+
+def prompt_set(tokenizer, clusters: int):
+    """The audit's prefix-padding set of the records format (contexts of 4 queries, ~310 tokens)."""
+    vocab = FormatVocabulary(load_format("records", False), tokenizer)
+    kt, vt = vocab.record_shape
+    return build_eval_set(vocab, "prefix", n_records=24, n_demos=4, stride=8, residue_modulus=8,
+                          n_clusters=clusters, key_tokens=kt, value_tokens=vt, local_window=16, seed=0)
+
+
+def timed_predict(adapter, eval_set, predictions: dict[str, list[int]], mode: str) -> float:
+    """Seconds `predict` takes on the whole set (the adapter closed after); its predictions kept under `mode`."""
+    t0 = time.perf_counter()
+    records = predict(adapter, eval_set, batch_size=16, progress=False)
+    elapsed = time.perf_counter() - t0
+    adapter.close()
+    predictions[mode] = [r["prediction"] for r in records]
+    return elapsed
+
+
+def alternate(run, modes, times: dict[str, list[float]], repeats: int, after=None) -> None:
+    """One warm-up run of the first mode, then `repeats` rounds of every mode in turn (`after()` after each)."""
+    run(next(iter(modes)))
+    for _ in range(repeats):
+        for mode in modes:
+            times[mode].append(run(mode))
+            if after is not None:
+                after()
 
 
 def main() -> None:
@@ -54,10 +82,7 @@ def main() -> None:
     if not engine_present:
         sys.exit(f"engine_throughput: needs {LLAMA_SERVER} (make engine) and {SMOL / SMOL_FILE} (make real-model)")
     tokenizer = load_tokenizer(str(SMOL), SMOL_FILE)
-    vocab = FormatVocabulary(load_format("records", False), tokenizer)
-    kt, vt = vocab.record_shape
-    eval_set = build_eval_set(vocab, "prefix", n_records=24, n_demos=4, stride=8, residue_modulus=8,
-                              n_clusters=args.clusters, key_tokens=kt, value_tokens=vt, local_window=16, seed=0)
+    eval_set = prompt_set(tokenizer, args.clusters)
     n = len(eval_set.queries())
     times: dict[str, list[float]] = {m: [] for m in MODES}
     predictions: dict[str, list[int]] = {}
@@ -69,17 +94,9 @@ def main() -> None:
             for slot in range(4):
                 httpx.post(f"{url}/slots/{slot}?action=erase", timeout=30).raise_for_status()
             adapter = EndpointAdapter(url, "llamacpp", len(tokenizer), concurrency=concurrency, reuse_prefix=reuse)
-            t0 = time.perf_counter()
-            records = predict(adapter, eval_set, batch_size=16, progress=False)
-            elapsed = time.perf_counter() - t0
-            adapter.close()
-            predictions[mode] = [r["prediction"] for r in records]
-            return elapsed
+            return timed_predict(adapter, eval_set, predictions, mode)
 
-        run("c1")  # warm-up
-        for _ in range(args.repeats):
-            for mode in MODES:
-                times[mode].append(run(mode))
+        alternate(run, MODES, times, args.repeats)
     best = {m: min(t) for m, t in times.items()}
     rate = {m: n / best[m] for m in MODES}
     print(f"llama-server b11434, {SMOL_FILE}, {args.threads} thread(s), 4 slots, no prompt kept between runs; "

@@ -111,13 +111,14 @@ def smoke(binary: Path, model: Path, startup_s: float = 120.0) -> int:
 
 def vllm_server_command(python: Path, model: Path, port: int, *, context: int = 4096, dtype: str = "float32",
                         cache_root: Path | None = None, kv_cache_gib: int = 1, threads: int = 1,
-                        extra: Sequence[str] = ()) -> list[str]:
+                        env: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`; `vllm serve` crashes on the CPU build),
     eager (its compiled graphs take 300-400 s and are never reused), on 127.0.0.1:`port`, without a prefix cache and
     reporting cached prompt tokens, so that an audit that asks for no prompt cache gets none and can check it.
     Run through `env`: VLLM_HOST_IP keeps its internal sockets on loopback, VLLM_CACHE_ROOT its caches in
-    `cache_root`, VLLM_CPU_KVCACHE_SPACE (GiB) and OMP_NUM_THREADS its memory and cores modest."""
-    env = ["VLLM_HOST_IP=127.0.0.1", f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}", f"OMP_NUM_THREADS={threads}",
+    `cache_root`, VLLM_CPU_KVCACHE_SPACE (GiB) and OMP_NUM_THREADS its memory and cores modest (`env`: more
+    NAME=VALUE)."""
+    env = [*env, "VLLM_HOST_IP=127.0.0.1", f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}", f"OMP_NUM_THREADS={threads}",
            "VLLM_CPU_OMP_THREADS_BIND=nobind",  # the kernel places the threads: the cores are shared
            *([f"VLLM_CACHE_ROOT={cache_root}"] if cache_root is not None else [])]
     return ["env", *env, str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

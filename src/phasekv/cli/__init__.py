@@ -65,7 +65,7 @@ INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "config
                "engine_model")
 POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
 # inputs that are files (a directory there is refused by the command itself)
-FILE_INPUTS = ("config", "format", "expect", "engine_model")
+FILE_INPUTS = ("config", "format", "expect")  # (--engine-model: a file, or a folder for vLLM)
 
 
 def check_inputs_untouched(args: argparse.Namespace) -> None:

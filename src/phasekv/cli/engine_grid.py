@@ -1,6 +1,7 @@
 """`phasekv audit --launch llama-server [--engine-bin PATH] [--engine-model FILE] --engine-grid ubatch=16,64 ...
 --tokenizer DIR [--gguf-file NAME] --reference-hf DIR --out OUT`: the engine started by phasekv once per grid point
-(`phasekv.evaluate.engine_grid`).  Every flag and every grid value is checked before the reference loads."""
+(`phasekv.evaluate.engine_grid`); `--launch vllm` serves the --tokenizer folder (or --engine-model DIR) with the
+Python of `make vllm`'s environment.  Every flag and every grid value is checked before the reference loads."""
 
 from __future__ import annotations
 
@@ -17,16 +18,8 @@ def grid_of(args):
     points = parse_grid(engine, args.engine_grid)
     binary = Path(args.engine_bin) if args.engine_bin else default_binary(engine)
     if not binary.is_file():
-        raise ValueError(f"--engine-bin {binary}: no such file (make engine builds llama-server)")
-    if args.engine_model:
-        model = Path(args.engine_model)
-    elif args.tokenizer and args.gguf_file:
-        model = Path(args.tokenizer) / args.gguf_file
-    else:
-        raise ValueError("--launch: needs --engine-model FILE (the file the engine serves) or --tokenizer DIR with "
-                         "--gguf-file NAME")
-    if not model.is_file():
-        raise ValueError(f"--engine-model {model}: no such file")
+        raise ValueError(f"--engine-bin {binary}: no such file ({engine.install})")
+    model = served_model(engine, args)
     if args.tokenizer is None:
         raise ValueError("--launch: needs --tokenizer DIR (the served model's tokenizer)")
     if args.timeout is not None and (isinstance(args.timeout, bool) or not args.timeout > 0
@@ -40,8 +33,34 @@ def grid_of(args):
     if "decode" in args.engine_checks and args.reference_hf is None:
         raise ValueError("--engine-checks decode: compares with the reference: needs --reference-hf")
     slots = args.batch_width if "batch" in args.engine_checks else 1
+    for point in points:
+        engine.limits(point, context=args.engine_context * slots, slots=slots)
     return EngineGrid(engine, binary, model, tuple(points), context=args.engine_context * slots, slots=slots,
-                      **({} if args.timeout is None else {"timeout": args.timeout}))
+                      reuse_prefix=args.reuse_prefix, **({} if args.timeout is None else {"timeout": args.timeout}))
+
+
+def served_model(engine, args) -> Path:
+    """What the engine serves: --engine-model, else llama-server's --tokenizer/--gguf-file, vLLM's --tokenizer DIR
+    (a safetensors folder is its own tokenizer); a file or a folder as the engine needs."""
+    folder = engine.serves == "folder"
+    if args.engine_model:
+        model = Path(args.engine_model)
+    elif folder and args.tokenizer and not args.gguf_file:
+        model = Path(args.tokenizer)
+    elif not folder and args.tokenizer and args.gguf_file:
+        model = Path(args.tokenizer) / args.gguf_file
+    elif folder:
+        raise ValueError(f"--launch {engine.name}: serves a model folder (safetensors): needs --engine-model DIR or "
+                         "--tokenizer DIR without --gguf-file")
+    else:
+        raise ValueError("--launch: needs --engine-model FILE (the file the engine serves) or --tokenizer DIR with "
+                         "--gguf-file NAME")
+    if folder and not (model / "config.json").is_file():
+        raise ValueError(f"--engine-model {model}: not a model folder (no config.json); {engine.name} serves "
+                         "safetensors folders")
+    if not folder and not model.is_file():
+        raise ValueError(f"--engine-model {model}: no such file")
+    return model
 
 
 def checks_of(args) -> dict:

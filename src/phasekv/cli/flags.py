@@ -55,14 +55,15 @@ def add_launch_arguments(p, source) -> None:
     """--launch NAME (one more choice of the `source` group: phasekv starts the engine itself, once per point of
     --engine-grid) and its flags; the --tokenizer, --timeout and --resume of the --endpoint flags apply too."""
     source.add_argument("--launch", metavar="ENGINE", help="start this engine for each point of --engine-grid "
-                                                           "(llama-server), audit each point with --reference-hf")
+                                                           "(llama-server, vllm), audit each point with --reference-hf")
     p.add_argument("--engine-bin", metavar="PATH", help="--launch: the engine's binary (default: where make engine "
-                                                        "installs it)")
-    p.add_argument("--engine-model", metavar="FILE", help="--launch: the model file the engine serves (default: "
-                                                          "--tokenizer's --gguf-file)")
+                                                        "installs llama-server, make vllm vLLM's Python)")
+    p.add_argument("--engine-model", metavar="FILE", help="--launch: the model the engine serves (default: "
+                                                          "--tokenizer's --gguf-file; vllm: the --tokenizer folder)")
     p.add_argument("--engine-grid", nargs="+", default=[], metavar="KEY=V1,V2",
                    help="--launch: engine settings to vary, every combination one point (llama-server: ubatch, "
-                        "batch, cache_type_k, cache_type_v, cache_type (both), flash_attn, threads), e.g. ubatch=16,64 "
+                        "batch, cache_type_k, cache_type_v, cache_type (both), flash_attn, threads; vllm: "
+                        "max_num_batched_tokens, kv_cache_dtype, dtype, prefix_cache), e.g. ubatch=16,64 "
                         "flash_attn=on,off")
     p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens "
                                                                     "(per slot)")

@@ -5,9 +5,12 @@ For every point of the grid (every combination of the settings' values) phasekv 
 included), sends it the audit's prompt sets, and compares every answer with the reference (the same weights in
 transformers, computed once for the whole grid: `phasekv.evaluate.served.reference_logprobs`).  Per point and per
 protocol: the engine's accuracy per phase and its verdict (query protocol: the query-phase verdict too), the
-engine-vs-reference agreement overall, per source phase and per query phase, and what the server reports about its
-settings (llama.cpp's /props and /slots); the per-point checks (`checks`: decode steps, prefix-cache and batch
-paths, `phasekv.evaluate.engine_paths`) add their own results.
+engine-vs-reference agreement overall, per source phase and per query phase, the prompt tokens the engine said it
+took from its prefix cache, and what the server reports about its settings (llama.cpp's /props and /slots, vLLM's
+/metrics and /server_info).  A point whose server keeps a prefix cache requests cannot switch off (vLLM with
+prefix_cache=on: `Launcher.caches_prefix`) is audited with --reuse-prefix, so that a context's queries hit it; the
+other points refuse any cached token unless the grid reuses prefixes everywhere.  The per-point checks (`checks`:
+decode steps, prefix-cache and batch paths, `phasekv.evaluate.engine_paths`) add their own results.
 
 Resuming: the grid works in OUT.grid/ beside OUT (as a journal lives beside OUT) and publishes each finished point
 there atomically as OUT.grid/POINT/ (`phasekv.outputs.output_dir`); a point's answers are journaled as they arrive
@@ -34,7 +37,7 @@ from tqdm import tqdm
 from phasekv.adapters.base import Adapter
 from phasekv.adapters.endpoint import EndpointAdapter
 from phasekv.adapters.engines import EndpointError
-from phasekv.adapters.journal import Journal, journal_path, published
+from phasekv.adapters.journal import Journal, journal_path, prompt_key, published
 from phasekv.adapters.launch import EngineDied
 from phasekv.adapters.launchers import Launcher, point_name, started
 from phasekv.config import EvalConfig
@@ -64,7 +67,8 @@ Check = Callable[[EndpointAdapter, dict[str, EvalSet], dict[str, Any], Adapter |
 @dataclass(frozen=True)
 class EngineGrid:
     """What to start at every point: `engine` (a launcher) running `binary` on `model`, one server per point of
-    `points` (setting -> value), with `context` tokens and `slots` parallel sequences."""
+    `points` (setting -> value), with `context` tokens and `slots` parallel sequences; `startup_s` None: the
+    engine's own; `reuse_prefix`: every point audited with --reuse-prefix."""
 
     engine: Launcher
     binary: Path
@@ -72,8 +76,9 @@ class EngineGrid:
     points: tuple[dict[str, str], ...]
     context: int = 4096
     slots: int = 1
-    startup_s: float = 180.0
+    startup_s: float | None = None
     timeout: float = 600.0
+    reuse_prefix: bool = False
 
 
 def grid_sets(tokenizer: Any, cfg: EvalConfig, protocols: Sequence[str], per_phase: int) -> dict[str, EvalSet]:
@@ -150,14 +155,16 @@ def _point(grid: EngineGrid, settings: dict[str, str], sets: dict[str, EvalSet],
     try:
         with started(grid.engine, grid.binary, grid.model, settings, context=grid.context, slots=grid.slots,
                      startup_s=grid.startup_s) as url:
-            adapter = EndpointAdapter(url, grid.engine.api, vocab_size, timeout=grid.timeout)
+            startup = time.perf_counter() - began
+            adapter = EndpointAdapter(url, grid.engine.api, vocab_size, timeout=grid.timeout,
+                                      reuse_prefix=grid.reuse_prefix or grid.engine.caches_prefix(settings))
             try:
                 adapter.attach(Journal(journal_path(work / name), adapter.settings(), resume=True))
                 with published(work / name, False, adapter) as tmp:
                     point = measure(adapter, sets, tmp, cfg=cfg, logprobs=logprobs, reference=reference,
                                      checks=checks, progress=progress)
                     point.update({"name": name, "settings": settings, "engine_report": grid.engine.report(adapter.conn),
-                                  "elapsed_s": round(time.perf_counter() - began, 1)})
+                                  "startup_s": round(startup, 1), "elapsed_s": round(time.perf_counter() - began, 1)})
                     write_json(tmp / "point.json", point)
             finally:
                 adapter.close()
@@ -180,6 +187,7 @@ def measure(adapter: EndpointAdapter, sets: dict[str, EvalSet], where: Path, *, 
         if "query_phase" in metrics:
             protocols[protocol]["query_phase"] = {k: metrics["query_phase"][k] for k in POINT_KEYS
                                                   if k in metrics["query_phase"]}
+        protocols[protocol]["prompt_cache"] = prompt_cache(adapter, eval_set)
         if protocol in logprobs:
             comparison[protocol] = compare(adapter, reference, eval_set, logprobs=logprobs[protocol])
     point: dict[str, Any] = {"protocols": protocols}
@@ -188,6 +196,15 @@ def measure(adapter: EndpointAdapter, sets: dict[str, EvalSet], where: Path, *, 
     for check_name, check in checks.items():
         point[check_name] = check(adapter, sets, logprobs, reference)
     return point
+
+
+def prompt_cache(adapter: EndpointAdapter, eval_set: EvalSet) -> dict[str, Any]:
+    """What the engine said about its prefix cache for this prompt set's answers: the mode asked, the prompt
+    tokens it took from the cache, the answers with a hit, and how many answers said (`reported`)."""
+    cached = [a.cached for p in eval_set.prompts() if (a := adapter.answers.get(prompt_key(p.ids))) is not None
+              and a.cached is not None]
+    return {"mode": "reuse-prefix" if adapter.reuse_prefix else "off", "cached_tokens": sum(cached),
+            "hits": sum(c > 0 for c in cached), "reported": len(cached), "n": len(eval_set.prompts())}
 
 
 def verdict_class(verdict: str) -> str:
@@ -207,6 +224,8 @@ def grid_rows(points: list[dict[str, Any]], protocols: Sequence[str]) -> list[di
             m = p["protocols"][protocol]
             row.update({"accuracy": m["mean_accuracy"], "accuracy_ci": m["mean_ci"], "gap_pp": m["max_gap_pp"],
                         "verdict": verdict_class(m["verdict"]), "period": m["verdict_parts"]["period"]})
+            if "prompt_cache" in m:
+                row["prompt_cache"] = m["prompt_cache"]
             if "query_phase" in m:
                 q = m["query_phase"]
                 row.update({"query_verdict": verdict_class(q["verdict"]), "query_period": q["verdict_parts"]["period"],
@@ -231,16 +250,24 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _cached(c: dict[str, Any] | None) -> str:
+    if not c or not c["reported"]:
+        return "not reported"
+    return f"{c['cached_tokens']:,} ({c['hits']}/{c['reported']}{', ' + c['mode'] if c['mode'] != 'off' else ''})"
+
+
 def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
     """grid.md: the table of `grid_rows`, one line per point and protocol."""
     checks = [c for c in CHECKS if any(f"{c}_agreement" in r for r in rows)]
+    cache = any(r.get("prompt_cache", {}).get("reported") for r in rows)  # the engine says what it cached
     lines = ["| point | protocol | accuracy % [95%] | verdict | query-phase verdict | agreement [95%] | "
-             "worst source / query phase agreement % |" + "".join(f" {c} agreement % |" for c in checks),
-             "|---|---|---|---|---|---|---|" + "---|" * len(checks)]
+             "worst source / query phase agreement % |" + " cached prompt tokens (answers with a hit) |" * cache
+             + "".join(f" {c} agreement % |" for c in checks),
+             "|---|---|---|---|---|---|---|" + "---|" * (len(checks) + cache)]
     for r in rows:
         if "failed" in r:
             cause = r["failed"].split(" | ")[0]  # the first error line (grid.json has the whole reason)
-            lines.append(f"| {r['point']} | {r['protocol']} | failed: {cause} | | | | |" + " |" * len(checks))
+            lines.append(f"| {r['point']} | {r['protocol']} | failed: {cause} | | | | |" + " |" * (len(checks) + cache))
             continue
         verdict = r["verdict"] + (f", period {r['period']}" if r["verdict"] == "phase sensitive" else "")
         query = "-" if "query_verdict" not in r else r["query_verdict"] + (
@@ -251,6 +278,7 @@ def grid_markdown(rows: list[dict[str, Any]], protocols: Sequence[str]) -> str:
                                               f"{_pct(r['min_query_phase_agreement'])}")
         lines.append(f"| {r['point']} | {r['protocol']} | {_pct(r['accuracy'])} [{_pct(r['accuracy_ci'][0])}, "
                      f"{_pct(r['accuracy_ci'][1])}] | {verdict} | {query} | {agreement} | {worst} |"
+                     + (f" {_cached(r.get('prompt_cache'))} |" if cache else "")
                      + "".join(f" {_pct(r[f'{c}_agreement'])} of {r[f'{c}_n']} |" if f"{c}_n" in r else " - |"
                                for c in checks))
     return "\n".join(lines) + "\n"
