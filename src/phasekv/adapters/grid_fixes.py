@@ -22,11 +22,11 @@ them.  `reference_kept` is the plain list of kept positions the tests compare th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from phasekv.adapters.base import ModelInfo, Wrapped
+from phasekv.adapters.base import Wrapped
 from phasekv.adapters.head_slices import MaskState, masking
 from phasekv.adapters.posthoc import Policy, check_geometry, parse_policy
 
@@ -99,9 +99,8 @@ class GridFixAdapter(Wrapped):
 
     def __init__(self, inner, fix: GridFix):
         i = inner.info
-        super().__init__(inner, ModelInfo(f"{i.name} posthoc {fix.name} W{fix.stride}/S{fix.stride}", i.vocab_size,
-                                          i.num_layers, i.num_heads, i.num_kv_heads, i.head_dim, i.max_length,
-                                          fix.stride, fix.local_window))
+        super().__init__(inner, replace(i, name=f"{i.name} posthoc {fix.name} W{fix.stride}/S{fix.stride}",
+                                        stride=fix.stride, local_window=fix.local_window))
         self.fix = fix
         self.state = MaskState(fix, "kv")
         self.bytes = {"full": 0, "compressed": 0}

@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasekv.adapters.base import ModelInfo, Wrapped, spec_fields
+from phasekv.adapters.base import Wrapped, spec_fields
 from phasekv.adapters.selection import _configs, attention_modules, call_geometry
 
 ATTENTION_NAME = "phasekv_head_masks"
@@ -235,8 +235,7 @@ class HeadSliceAdapter(Wrapped):
 
     def __init__(self, inner, spec: SliceSpec):
         i = inner.info
-        super().__init__(inner, ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads,
-                                          i.num_kv_heads, i.head_dim, i.max_length, spec.size, spec.local))
+        super().__init__(inner, replace(i, name=f"{i.name} {spec.name}", stride=spec.size, local_window=spec.local))
         self.spec = spec
         self.groups = i.num_kv_heads if spec.group == "kv" else i.num_heads
         self.state = MaskState(spec, spec.group)

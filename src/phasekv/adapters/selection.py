@@ -39,7 +39,7 @@ import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from phasekv.adapters.base import ModelInfo, Wrapped, spec_fields
+from phasekv.adapters.base import Wrapped, spec_fields
 
 ATTENTION_NAME = "phasekv_selection"
 HEAD_MODES = ("shared", "kv")
@@ -354,8 +354,7 @@ class SelectionAdapter(Wrapped):
         from phasekv.adapters.indexers import make_indexer
 
         i = inner.info
-        super().__init__(inner, ModelInfo(f"{i.name} {spec.name}", i.vocab_size, i.num_layers, i.num_heads,
-                                          i.num_kv_heads, i.head_dim, i.max_length, spec.pool, spec.local))
+        super().__init__(inner, replace(i, name=f"{i.name} {spec.name}", stride=spec.pool, local_window=spec.local))
         self.spec, self.indexer = spec, make_indexer(spec.indexer)
         self.cached = not self.indexer.needs_hidden  # whether selection runs over the inner adapter's cache
         self.shares_cache = inner.shares_cache and self.cached
