@@ -448,3 +448,9 @@ def test_python_dash_m_runs_the_command(module):
     bad = subprocess.run([sys.executable, "-m", module, "no-such-command"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2, bad.stderr
+
+
+def test_readme_is_short():
+    """The README is a newcomer's ten minutes: details live in docs/."""
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines < 300, f"README.md has {lines} lines; move details to docs/"
