@@ -223,3 +223,107 @@ def test_the_grammar_builds_each_condition_and_the_fix_refuses_one_forward_per_p
     assert built[0].groups == base.info.num_heads and built[1].fix.mode == "stagger"
     with pytest.raises(ValueError, match="prefill"):
         built[1].logits(_ids())
+
+
+# ----------------------------------------------------------------------------- the layer kind of phasekv's models
+
+LAYER = {"contiguous": dict(kind="contiguous", size=4, groups=2, local=3),
+         "contiguous-layer": dict(kind="contiguous", size=3, groups=2, shift="layer", local=2, sink=0),
+         "interleaved": dict(kind="interleaved", size=1, groups=2, local=2),
+         "interleaved-query": dict(kind="interleaved", size=1, groups=4, group="query", local=1, sink=2)}
+
+
+def _sliced(name, **overrides):
+    from phasekv.model import build_model
+    from tests.helpers import tiny
+
+    torch.manual_seed(0)
+    config = tiny(layer_types=["slices", "slices"], compressors={"slices": LAYER[name]}, **overrides)
+    return build_model(config).eval()
+
+
+@pytest.mark.parametrize("name", sorted(LAYER))
+def test_the_sliced_layer_matches_its_per_query_reference_and_the_posthoc_rule(name):
+    from phasekv.compression.head_slices import reference_attention
+
+    attn = _sliced(name).model.layers[1].self_attn
+    q, k, v = _call(seed=4, b=2, heads=4, kv=2, t=21, d=16)
+    fast = attn._full(q, k, v, None, 0)
+    assert torch.allclose(fast, reference_attention(attn.slices, q, k, v, torch.arange(21)), atol=1e-5)
+    o = attn.slices.options  # the same rule as the training-free condition of transformers models
+    spec = hs.SliceSpec(o.kind, o.size, "layer" if o.shift == "layer" else "fixed", o.group, o.local, o.sink)
+    keep = spec.keep(layer=1, layers=2, geometry=call_geometry(q, k, None, None), groups=attn.slices.groups,
+                     offsets=None)[0] & torch.ones(21, 21, dtype=torch.bool).tril()
+    assert torch.equal(attn.slices.keep(torch.arange(21), torch.arange(21)), keep)
+
+
+def test_the_sliced_layer_deals_contiguous_slices_and_interleaves_by_hand():
+    contiguous = _sliced("contiguous").model.layers[0].self_attn.slices
+    assert contiguous.owner(torch.arange(12)).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    interleaved = _sliced("interleaved-query").model.layers[0].self_attn.slices
+    assert interleaved.owner(torch.arange(6)).tolist() == [0, 1, 2, 3, 0, 1]
+    shifted = [_sliced("contiguous-layer").model.layers[i].self_attn.slices for i in (0, 1)]
+    assert shifted[0].offset == 0 and shifted[1].offset == 3  # floor(1 * G * L / layers) = floor(6 / 2)
+    assert shifted[1].owner(torch.arange(6)).tolist() == [1, 1, 1, 0, 0, 0]
+    keep = contiguous.keep(torch.arange(20), torch.arange(20))[:, 19]  # the last query: (G, Tk)
+    assert keep[:, 17:].all() and keep[:, 0].all()  # the local tail (3) and the sink (1) in every group
+    assert (keep[:, 1:17].sum(0) == 1).all()  # every older position in exactly one group
+
+
+@pytest.mark.parametrize("name", sorted(LAYER))
+def test_the_sliced_model_reads_no_future_token_and_differs_from_full_attention(name):
+    from phasekv.model import build_model
+
+    model = _sliced(name)
+    ids = _ids(2, 40)
+    changed = ids.clone()
+    changed[:, 30:] = (changed[:, 30:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+        full = build_model(model.config.__class__(**{**model.config.to_dict(), "layer_types": ["full", "full"],
+                                                       "compressors": {}}))
+        full.load_state_dict(model.state_dict())
+        dense = full.eval()(ids)
+    assert torch.allclose(a[:, :30], b[:, :30], atol=1e-6)
+    assert not torch.allclose(a[:, 30:], b[:, 30:], atol=1e-3)
+    assert not torch.allclose(a[:, 20:], dense[:, 20:], atol=1e-3)  # the slicing acts beyond the local tail
+
+
+@pytest.mark.parametrize("name", sorted(LAYER))
+def test_the_sliced_model_prefill_and_shared_queries_equal_one_forward(name):
+    from phasekv.cache import KVCache
+
+    model = _sliced(name)
+    ids, queries = _ids(2, 30), _ids(6, 5, seed=2)
+    with torch.no_grad():
+        cache = KVCache()
+        model.prefill(ids, cache)
+        got = model(queries, cache=cache.shared(3))
+        whole = model(torch.cat([ids.repeat_interleave(3, 0), queries], 1))[:, 30:]
+    assert torch.allclose(got, whole, atol=1e-5)
+
+
+def test_the_sliced_model_trains():
+    model = _sliced("interleaved").train()
+    ids = _ids(2, 24)
+    logits = model(ids)[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if "layers.1" in n or "embed" in n)
+
+
+@pytest.mark.parametrize("options, extra, match", [
+    (dict(groups=3), {}, "groups: 3, but the model has 2 KV heads"),
+    (dict(kind="interleaved", size=4, groups=2), {}, "size: kind interleaved"),
+    (dict(kind="diagonal", groups=2), {}, "kind"),
+    (dict(groups=2, shift="random"), {}, "shift"),
+    (dict(groups=2), dict(attn_sink=True), "no learned sink"),
+])
+def test_bad_sliced_layers_are_refused_in_one_line(options, extra, match):
+    from phasekv.model import build_model
+    from tests.helpers import tiny
+
+    with pytest.raises(ValueError, match=match) as err:
+        build_model(tiny(layer_types=["slices", "full"], compressors={"slices": options}, **extra))
+    assert "\n" not in str(err.value) and "model.compressors.slices" in str(err.value)

@@ -23,6 +23,8 @@ from torch import nn
 from phasekv.cache import LayerCache
 from phasekv.compression import build as build_compressor
 from phasekv.compression import num_windows
+from phasekv.compression.head_slices import NAME as SLICES
+from phasekv.compression.head_slices import HeadSlices
 from phasekv.config import LAYER_KINDS_BUILTIN, ModelConfig
 from phasekv.kernels import (
     Visible,
@@ -51,6 +53,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.kind = config.layer_types[layer_idx]
+        self.slices = None  # a head-sliced layer is a full layer under a per-head mask (compression.head_slices)
+        if self.kind == SLICES:
+            self.slices, self.kind = HeadSlices(config.options(SLICES), config, layer_idx), "full"
         H, KVH, D, hidden = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                              config.hidden_size)
         self.num_heads, self.num_kv_heads, self.head_dim = H, KVH, D
@@ -131,7 +136,7 @@ class Attention(nn.Module):
         if torch.is_grad_enabled() or start == 0 or not _has_flash_lse(x):
             return False
         if self.kind == "full":
-            return cache.k is not None
+            return cache.k is not None and self.slices is None
         c = self.compressor
         return self.tail is None and (c is None or not (c.head_stagger or c.selects))
 
@@ -198,6 +203,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append_full(k, v)
         T, P = q.shape[2], k.shape[2]
+        if self.slices is not None:
+            keys = torch.arange(P, device=q.device)
+            mask = self.slices.mask(keys[P - T:], keys)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         if P == T:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mask = torch.arange(P, device=q.device)[None, :] <= torch.arange(P - T, P, device=q.device)[:, None]
