@@ -21,7 +21,8 @@ CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-unifor
              "dsv4-hca", "dsv4-csa", "dsv32-dsa", "qwen3-full", "glm5-kpool", "glm5-kpool-dsa",  # transformers family
              "glm5-kpool-induction",  # issue 26: GLM-5.3 under the token-attention recipe
              "w8s8-4kv-jitter",  # issue 15: random window offset per training step
-             "w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer"}  # issue 15: staggered KV heads (and layers)
+             "w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer",  # issue 15: staggered KV heads (and layers)
+             "slices-contiguous-4kv", "slices-interleaved-4kv"}  # issue 40: head-partitioned attention, trained
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])
