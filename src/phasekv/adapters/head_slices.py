@@ -48,6 +48,7 @@ from torch import nn
 
 from phasekv.adapters.base import Wrapped, spec_fields
 from phasekv.adapters.selection import _configs, attention_modules, call_geometry
+from phasekv.compression.head_slices import layer_offset, slice_keep
 
 ATTENTION_NAME = "phasekv_head_masks"
 KINDS = ("contiguous", "interleaved")
@@ -94,16 +95,10 @@ class SliceSpec:
 
     def keep(self, *, layer: int, layers: int, geometry, groups: int, offsets: torch.Tensor | None) -> torch.Tensor:
         """(B | 1, G, Tq, Tk) bool: the keys each group's queries may read (before the causal order)."""
-        period = groups * self.size
-        if offsets is not None:
-            o = offsets.to(geometry.key_pos.device)[:, None, None, None]  # (B, 1, 1, 1)
-        else:
-            o = torch.tensor((layer * period) // layers if self.shift == "layer" else 0).view(1, 1, 1, 1)
-        s, t = geometry.key_pos, geometry.query_pos
-        owner = torch.div(s + o, self.size, rounding_mode="floor") % groups  # (B | 1, 1, 1, Tk)
-        mine = owner == torch.arange(groups, device=s.device)[None, :, None, None]  # (B | 1, G, 1, Tk)
-        fixed = (s[None, :] < self.sink) | (t[:, None] - s[None, :] < self.local)  # (Tq, Tk)
-        return mine | fixed[None, None]
+        if offsets is None:
+            offsets = layer_offset(layer, layers, groups * self.size) if self.shift == "layer" else 0
+        return slice_keep(geometry.key_pos, geometry.query_pos, size=self.size, groups=groups, offset=offsets,
+                          sink=self.sink, local=self.local)
 
 
 _KEYS = ("kind", "size", "shift", "group", "local", "sink", "seed")

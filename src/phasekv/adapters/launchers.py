@@ -16,7 +16,7 @@ is one more `Launcher` in `LAUNCHERS`:
                    --enable-prefix-caching (a bare switch; "on" points are audited with --reuse-prefix, so that a
                    context's queries hit the cache, and "off" points refuse any cached token)
 
-A setting's values are checked before any server starts (`check_settings`: the allowed values or an integer range),
+A setting's values are checked before any server starts (`Setting.check`: the allowed values or an integer range),
 so a typo in a grid is one line, not a server that dies at its fifth point (a key of another engine says which key
 this one has instead: `Launcher.hints`).  `Launcher.report` reads what a server says about itself (llama.cpp: /props
 and /slots; vLLM: /metrics' cache gauge and /server_info); `running_settings` does so for a server the user

@@ -63,6 +63,23 @@ class HeadSliceOptions(CompressorOptions):
 register_options(NAME, HeadSliceOptions)
 
 
+def layer_offset(layer_idx: int, layers: int, period: int) -> int:
+    """shift: layer: layer i's slice boundaries moved by floor(i * period / layers)."""
+    return (layer_idx * period) // layers
+
+
+def slice_keep(key_pos: torch.Tensor, query_pos: torch.Tensor, *, size: int, groups: int,
+               offset: int | torch.Tensor, sink: int, local: int) -> torch.Tensor:
+    """(B | 1, G, Tq, Tk) bool, before the causal order: the keys of each group's slice (owner(s), with `offset`
+    an int or one per row, (B,)) plus the sink and local tail every group reads.  Shared by this layer kind and the
+    training-free condition (`phasekv.adapters.head_slices`)."""
+    o = torch.as_tensor(offset, device=key_pos.device).reshape(-1, 1, 1, 1)
+    owner = torch.div(key_pos + o, size, rounding_mode="floor") % groups  # (B | 1, 1, 1, Tk)
+    mine = owner == torch.arange(groups, device=key_pos.device).view(1, groups, 1, 1)  # (B | 1, G, 1, Tk)
+    shared = (key_pos[None, :] < sink) | (query_pos[:, None] - key_pos[None, :] < local)  # (Tq, Tk)
+    return mine | shared[None, None]
+
+
 class HeadSlices:
     """The slicing of one layer: which keys each head may read."""
 
@@ -76,8 +93,7 @@ class HeadSlices:
                              "(model.attn_sink)")
         self.options, self.groups, self.heads = options, groups, config.num_attention_heads
         period = groups * options.size
-        layers = config.num_hidden_layers
-        self.offset = (layer_idx * period) // layers if options.shift == "layer" else 0
+        self.offset = layer_offset(layer_idx, config.num_hidden_layers, period) if options.shift == "layer" else 0
 
     def owner(self, positions: torch.Tensor) -> torch.Tensor:
         """The group owning each key position (any shape)."""
@@ -85,10 +101,10 @@ class HeadSlices:
 
     def keep(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """(G, Tq, Tk) bool: the keys each group's queries read, causal order included."""
-        s, t = key_pos[None, :], query_pos[:, None]
-        mine = self.owner(key_pos)[None, None, :] == torch.arange(self.groups, device=key_pos.device)[:, None, None]
-        shared = (s < self.options.sink) | (t - s < self.options.local)  # (Tq, Tk)
-        return (mine | shared[None]) & (s <= t)[None]
+        o = self.options
+        keep = slice_keep(key_pos, query_pos, size=o.size, groups=self.groups, offset=self.offset, sink=o.sink,
+                          local=o.local)[0]
+        return keep & (key_pos[None, :] <= query_pos[:, None])[None]
 
     def mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """(1, H, Tq, Tk) bool for scaled-dot-product attention: each group's keep given to its query heads."""
