@@ -8,6 +8,7 @@ import torch
 
 from phasekv.adapters import indexers as ix
 from phasekv.adapters import selection as sel
+from phasekv.adapters import selection_kernel as sel_kernel
 from phasekv.adapters.hf import HFAdapter
 from tests.helpers import tiny_causal_lm
 
@@ -46,6 +47,51 @@ def test_fast_selection_matches_the_per_query_reference(text, indexer, heads):
     fast = _fast(spec, ix.make_indexer(indexer), q, k, v)
     ref = sel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v)
     assert torch.allclose(fast, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("indexer", ["oracle", "mean", "max"])
+@pytest.mark.parametrize("heads", ["shared", "kv"])
+@pytest.mark.parametrize("tq", [40, 7])
+def test_the_blockwise_attention_equals_the_whole_call(monkeypatch, indexer, heads, tq):
+    """chunked_attention in blocks of 3 query rows (each over the keys up to its last query) against
+    whole_attention at once: a whole call (tq = 40) and 7 queries following a 33-key cache, under a boolean mask
+    that hides some keys of one row; the outputs and the recorded last-query selection agree."""
+    monkeypatch.setattr(sel_kernel, "BLOCK_ELEMENTS", 2 * 4 * 40 * 3)  # B * H * Tk * 3 rows
+    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,sink=1,heads={heads},indexer={indexer}")
+    q, k, v = _call(t=40)
+    q = q[:, :, -tq:]
+    mask = torch.ones(2, 1, tq, 40, dtype=torch.bool)
+    mask[1, :, :, 9:14] = False
+    position_ids = torch.arange(40 - tq, 40)[None].expand(2, -1)
+    query_pos, key_pos = sel_kernel.positions(q, k, position_ids)
+    assert sel_kernel.in_order(key_pos)
+    blocks, whole = [], []
+    fast = sel_kernel.chunked_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v, attention_mask=mask,
+                                        query_pos=query_pos, scaling=0.3, record=blocks)
+    geometry = sel_kernel.call_geometry(q, k, mask, position_ids)
+    slow = sel_kernel.whole_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v, geometry=geometry,
+                                      scaling=0.3, record=whole)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    assert torch.equal(blocks[0]["selected"], whole[0]["selected"])
+    assert torch.allclose(blocks[0]["probs"], whole[0]["probs"], atol=1e-6)
+    assert blocks[0]["probs"][1, :, 9:14].abs().max() == 0  # the masked keys get nothing
+
+
+def test_blocks_leave_out_the_keys_after_their_last_query(monkeypatch):
+    """The causal bound is what the blocks save: with one row per block, query t's scores see t + 1 keys."""
+    monkeypatch.setattr(sel_kernel, "BLOCK_ELEMENTS", 1)
+    seen = []
+
+    class Spy(ix.Oracle):
+        def pool_scores(self, *, logits, **kw):
+            seen.append(logits.shape[-1])
+            return super().pool_scores(logits=logits, **kw)
+
+    spec = sel.parse_selection("kpool:pool=4,top=2,local=4,sink=1")
+    q, k, v = _call(t=12)
+    sel_kernel.chunked_attention(spec, Spy(), _Layer(), q, k, v, attention_mask=None, query_pos=torch.arange(12),
+                                 scaling=0.3)
+    assert seen == list(range(1, 13))
 
 
 @pytest.mark.parametrize("how", ["sum", "mean", "max"])
@@ -154,13 +200,12 @@ def test_a_budget_attends_everything_matches_dense_attention():
 
 @pytest.mark.parametrize("indexer", ["oracle", "max", "distilled"])
 def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them(indexer, tmp_path):
-    """Prefill then continue (over the selected cache for oracle and max, whole prompts for distilled) gives the
-    logits of one selected forward per whole prompt, and differs from the dense model's."""
+    """Prefill then continue over copies of the selected cache (and, for distilled, of the contexts' hidden states)
+    gives the logits of one selected forward per whole prompt, and differs from the dense model's."""
     model = tiny_causal_lm("llama", 50, 256, "eager")
     name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
     adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection(f"kpool:pool=4,top=2,local=4,"
                                                                                 f"indexer={name}"))
-    assert adapter.cached == (indexer != "distilled")
     contexts = torch.randint(0, 50, (2, 30))
     queries = torch.randint(0, 50, (6, 3))
     split = adapter.continue_from(adapter.prefill(contexts), queries, 3)

@@ -104,6 +104,12 @@ class Indexer:
                     kv_heads: int, hidden: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def call_scores(self, *, module: nn.Module, hidden: torch.Tensor | None, query_pos: torch.Tensor, tk: int,
+                    pool: int) -> torch.Tensor | None:
+        """Pool scores (B, G, Tq, pools) of a whole call at once, for an indexer that does not read the dense
+        logits (the block-wise attention then slices them); None: score each block from its logits."""
+        return None
+
 
 def _groups(spec: Any, kv_heads: int) -> int:
     return 1 if spec.heads == "shared" else kv_heads
@@ -155,13 +161,14 @@ def build_glm_indexers(hidden_size: int, layers: int, pool: int, heads: int, hea
     return nn.ModuleList(Glm5NextTextIndexer(config, i) for i in range(layers))
 
 
-def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """(B, T, hidden) -> (B, T, ceil(T / pool)) scores of the real module's pools (from position 0), with grad; the
-    module leaves out a trailing incomplete pool (never a candidate), which comes back here as -inf."""
+def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """(B, T, hidden) -> (B, Tq, ceil(T / pool)) scores of the real module's pools (from position 0) for the last
+    Tq = `queries` positions (default all T), with grad; the module leaves out a trailing incomplete pool (never a
+    candidate), which comes back here as -inf."""
     from phasekv.archs.glm5_next import pool_scores
 
     mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-    scores, _, _ = pool_scores(indexer, hidden, hidden, mask)
+    scores, _, _ = pool_scores(indexer, hidden, hidden[:, hidden.shape[1] - (queries or hidden.shape[1]):], mask)
     pools = -(-hidden.shape[1] // indexer.index_kpool)
     return F.pad(scores, (0, pools - scores.shape[-1]), value=float("-inf"))
 
@@ -177,15 +184,26 @@ class Distilled(Indexer):
         self.name = f"distilled:{self.directory}"
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
-        if hidden is None or logits.shape[-1] != logits.shape[-2]:
-            raise ValueError("indexer=distilled: scores whole prompts only (its keys are the prompt's hidden "
-                             "states, which a cache does not hold)")
+        if not geometry.contiguous:
+            raise ValueError("indexer=distilled: scores keys at positions 0 .. T-1 in order only (its keys are "
+                             "the hidden states of the positions before each query)")
+        return self._scores(module, hidden, logits.shape[-2], logits.shape[-1])[..., :pools]
+
+    def call_scores(self, *, module, hidden, query_pos, tk, pool):
+        return self._scores(module, hidden, len(query_pos), tk)
+
+    def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int) -> torch.Tensor:
+        """(B, 1, Tq, ceil(Tk / pool)) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width)
+        `hidden` holds (the selection's hook joins a cached context's to the new positions')."""
+        if hidden is None or hidden.shape[1] != tk:
+            raise ValueError("indexer=distilled: needs the hidden states of every key position (a cache made "
+                             "without them, e.g. by another condition, cannot be continued)")
         layer = getattr(module, "layer_idx", None)
         if layer is None or not 0 <= layer < len(self.modules):
             raise ValueError(f"indexer=distilled: {self.directory} has {len(self.modules)} layers; the model's "
                              f"attention layer {layer} has no indexer")
         with torch.no_grad():
-            return glm_pool_scores(self.modules[layer], hidden.float())[:, None, :, :pools]
+            return glm_pool_scores(self.modules[layer], hidden.float(), tq)[:, None]
 
 
 def check_indexer(name: str, pool: int) -> None:

@@ -22,12 +22,13 @@ largest per-key score: MiniMax-M3's max-pooling), `distilled:DIR` (transformers'
 modules on the model's hidden states, trained by `phasekv train-indexer`).
 
 Implementation: an attention function registered in transformers' `AttentionInterface` (`selecting` installs it
-on the model and restores the previous implementation on exit) computes the dense scores once, asks the indexer
-for pool scores, and runs softmax attention over the allowed keys (`selection_mask`).  Key positions come from
-the call: the cached keys occupy 0 .. Tk - Tq - 1 and the new keys sit at the queries' `position_ids`, so a
-plain forward, a shared-prefix prefill and packed queries over a cache are all covered.  The slow reference
-(`reference_attention`) loops over queries, selects pools by sorting, and attends to the gathered keys only;
-tests/test_selection.py compares the two and checks that no query ever selects from its future.
+on the model and restores the previous implementation on exit) scores the keys, asks the indexer for pool scores
+and runs softmax attention over the allowed keys (`selection_mask`); the tensor side is
+`phasekv.adapters.selection_kernel` (block-wise over the queries when the keys sit at 0 .. Tk - 1, at once
+otherwise, and the slow per-query reference).  Key positions come from the call: the cached keys occupy
+0 .. Tk - Tq - 1 and the new keys sit at the queries' `position_ids`, so a plain forward, a shared-prefix prefill
+and packed queries over a cache are all covered.  tests/test_selection.py compares the paths with the reference
+and checks that no query ever selects from its future.
 
 Layout: attention tensors are (B, H, T, D) as in transformers; pool scores are (B, G, Tq, pools) with G = 1
 (shared) or H_kv (kv).
@@ -43,11 +44,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from phasekv.adapters.base import Wrapped, spec_fields
+from phasekv.adapters.selection_kernel import (  # noqa: F401  (Geometry .. reference_attention: re-exported)
+    Geometry,
+    call_geometry,
+    candidate_pools,
+    chunked_attention,
+    in_order,
+    positions,
+    reference_attention,
+    select_pools,
+    selection_mask,
+    whole_attention,
+)
 
 ATTENTION_NAME = "phasekv_selection"
 HEAD_MODES = ("shared", "kv")
@@ -120,78 +132,6 @@ def is_selection(condition: str) -> bool:
     return condition.startswith("kpool:")
 
 
-# ----------------------------------------------------------------------------- the selection itself
-
-
-@dataclass
-class Geometry:
-    """Where the queries and keys of one attention call sit: positions and the allowed (visible) pairs."""
-
-    query_pos: torch.Tensor  # (Tq,)
-    key_pos: torch.Tensor  # (Tk,)
-    visible: torch.Tensor  # (B or 1, 1, Tq, Tk) bool: causal and allowed by the call's mask
-
-    def key_pool(self, pool: int) -> torch.Tensor:
-        return self.key_pos // pool  # (Tk,)
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether the keys sit at positions 0 .. Tk - 1 in order (a whole forward): pools are then slices."""
-        return torch.equal(self.key_pos, torch.arange(len(self.key_pos), device=self.key_pos.device))
-
-
-def call_geometry(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None) -> Geometry:
-    """Positions of one attention call's queries (B, H, Tq, D) and keys (B, H_kv, Tk, D), and what each query may
-    see: the causal order of positions, narrowed by the call's mask (additive or boolean) when it has one."""
-    tq, tk = query.shape[2], key.shape[2]
-    device = query.device
-    if position_ids is None:
-        query_pos = torch.arange(tk - tq, tk, device=device)
-    else:
-        query_pos = position_ids[0].to(device)  # every row of a phasekv call shares its positions
-    key_pos = torch.cat([torch.arange(tk - tq, device=device), query_pos])  # (Tk,)
-    visible = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
-    if attention_mask is not None:
-        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        visible = visible & allowed[..., -tk:]
-    return Geometry(query_pos, key_pos, visible)
-
-
-def candidate_pools(spec: SelectionSpec, geometry: Geometry, pools: int) -> torch.Tensor:
-    """(Tq, pools) bool: pool j is a candidate for the query at t when it is complete (jP + P - 1 <= t), not wholly
-    in the local tail (jP <= t - L) and not wholly in the sink ((j + 1) P > N)."""
-    start = torch.arange(pools, device=geometry.query_pos.device) * spec.pool  # (pools,)
-    t = geometry.query_pos[:, None]
-    return (start + spec.pool - 1 <= t) & (start <= t - spec.local) & (start + spec.pool > spec.sink)
-
-
-def select_pools(spec: SelectionSpec, scores: torch.Tensor, candidates: torch.Tensor,
-                 query_pos: torch.Tensor) -> torch.Tensor:
-    """The selected pools (B, G, Tq, pools) bool: per query, the K(t) highest-scoring candidates (ties: the lower
-    pool index), fewer when fewer are candidates.  scores: (B, G, Tq, pools)."""
-    k = spec.pools_per_query(query_pos)  # (Tq,)
-    kmax = int(min(int(k.max()), scores.shape[-1]))
-    masked = scores.float().masked_fill(~candidates, float("-inf"))
-    values, order = masked.sort(dim=-1, descending=True, stable=True)  # stable: ties go to the lower pool
-    values, order = values[..., :kmax], order[..., :kmax]
-    keep = (torch.arange(kmax, device=scores.device) < k[:, None]) & torch.isfinite(values)  # (B, G, Tq, kmax)
-    chosen = torch.zeros_like(masked, dtype=torch.bool)
-    return chosen.scatter(-1, order, keep)
-
-
-def selection_mask(spec: SelectionSpec, geometry: Geometry, selected: torch.Tensor) -> torch.Tensor:
-    """(B, G, Tq, Tk) bool: the keys each query attends: visible and (sink, local or in a selected pool)."""
-    t, s = geometry.query_pos[:, None], geometry.key_pos[None, :]
-    fixed = (s < spec.sink) | (t - s < spec.local)  # (Tq, Tk)
-    tk = len(geometry.key_pos)
-    if geometry.contiguous:  # pool j is keys jP .. jP + P - 1: repeat each pool's flag P times
-        pooled = selected.repeat_interleave(spec.pool, dim=-1)[..., :tk]  # (B, G, Tq, Tk)
-    else:
-        pooled = selected.gather(-1, geometry.key_pool(spec.pool).expand(*selected.shape[:-1], -1))
-    return geometry.visible & (fixed | pooled)
-
-
 @dataclass
 class SelectionState:
     """What the installed attention function needs per call, and what it recorded."""
@@ -199,15 +139,12 @@ class SelectionState:
     spec: SelectionSpec
     indexer: Any  # phasekv.adapters.indexers.Indexer
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # id(attention module) -> its input hidden states
+    context: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> a cached context's hidden states
     record: bool = False  # keep each layer's selection at the last query position (selection statistics)
     recorded: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 _ACTIVE: dict[int, SelectionState] = {}  # id(attention module) -> the selection it runs under
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x  # (B, H_kv, T, D) -> (B, H, T, D)
 
 
 def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -216,55 +153,19 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
     -> ((B, Tq, H, D) output, None: the probabilities are never materialised) under the module's selection."""
     state = _ACTIVE[id(module)]
-    spec = state.spec
-    heads, kv_heads = query.shape[1], key.shape[1]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
-    k, v = _expand_kv(key, heads // kv_heads), _expand_kv(value, heads // kv_heads)
-    logits = torch.matmul(query * scaling, k.transpose(-1, -2))  # (B, H, Tq, Tk); scaled on the smaller side
-    pools = int(geometry.key_pos.max()) // spec.pool + 1
-    scores = state.indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
-                                       kv_heads=kv_heads, hidden=state.hidden.get(id(module)))  # (B, G, Tq, P)
-    selected = select_pools(spec, scores, candidate_pools(spec, geometry, pools), geometry.query_pos)
-    allowed = selection_mask(spec, geometry, selected)  # (B, G, Tq, Tk)
-    if allowed.shape[1] not in (1, heads):
-        allowed = allowed.repeat_interleave(heads // allowed.shape[1], dim=1)
-    if state.record:  # the last query's selection (B, G, pools) and attention (B, H, Tk)
-        last = logits[:, :, -1].masked_fill(~allowed[:, :, -1], float("-inf")).softmax(-1)
-        state.recorded.append({"selected": selected[:, :, -1].detach(), "probs": last.detach(),
-                               "key_pos": geometry.key_pos, "query_pos": geometry.query_pos[-1]})
-    del logits  # the fused attention below recomputes the scores; the (B, H, Tq, Tk) logits go now
-    # torch's fused attention with the selection as a boolean mask (True = attend); the local tail keeps every
-    # row non-empty
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (B, H, Tq, D)
+    # a continuation's joined hidden states are used once: let them go (a prefill keeps its own for the cache)
+    hidden = state.hidden.pop(id(module), None) if state.context else state.hidden.get(id(module))
+    record = state.recorded if state.record else None
+    query_pos, key_pos = positions(query, key, kwargs.get("position_ids"))
+    if in_order(key_pos):
+        out = chunked_attention(state.spec, state.indexer, module, query, key, value, attention_mask=attention_mask,
+                                query_pos=query_pos, scaling=scaling, hidden=hidden, record=record)
+    else:
+        out = whole_attention(state.spec, state.indexer, module, query, key, value, scaling=scaling, hidden=hidden,
+                              geometry=call_geometry(query, key, attention_mask, kwargs.get("position_ids")),
+                              record=record)
     return out.transpose(1, 2).contiguous(), None
-
-
-def reference_attention(spec: SelectionSpec, indexer: Any, module: nn.Module, query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, *, hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """The slow oracle of `selection_attention` for a plain causal call (keys at 0 .. T-1): one query at a time,
-    candidates listed by hand, pools ranked by sorting, softmax over the gathered keys only.  -> (B, Tq, H, D)."""
-    b, heads, tq, d = query.shape
-    kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
-    out = torch.zeros(b, tq, heads, d, dtype=query.dtype)
-    geometry = call_geometry(query, key, None, None)
-    logits = torch.matmul(query, _expand_kv(key, groups).transpose(-1, -2)) * d ** -0.5
-    pools = (key.shape[2] - 1) // spec.pool + 1
-    scores = indexer.pool_scores(module=module, logits=logits, geometry=geometry, spec=spec, pools=pools,
-                                 kv_heads=kv_heads, hidden=hidden)  # (B, G, Tq, P)
-    for row in range(b):
-        for t in range(tq):
-            budget = int(spec.pools_per_query(torch.tensor([t]))[0])
-            for h in range(heads):
-                g = 0 if scores.shape[1] == 1 else h // groups
-                cands = [j for j in range(pools) if j * spec.pool + spec.pool - 1 <= t
-                         and j * spec.pool <= t - spec.local and (j + 1) * spec.pool > spec.sink]
-                ranked = sorted(cands, key=lambda j: (-float(scores[row, g, t, j]), j))[:budget]
-                keys = sorted({s for s in range(t + 1) if s < spec.sink or t - s < spec.local}
-                              | {s for j in ranked for s in range(j * spec.pool, j * spec.pool + spec.pool)})
-                w = torch.softmax(torch.stack([logits[row, h, t, s] for s in keys]), 0)
-                out[row, t, h] = sum(w[i] * value[row, h // groups, s] for i, s in enumerate(keys))
-    return out
 
 
 # ----------------------------------------------------------------------------- installing it on a model
@@ -324,8 +225,12 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 def _keep_hidden(state: SelectionState):
+    """A forward pre-hook keeping the layer's input hidden states, after those of the cached context it continues
+    (`state.context`), so that the indexer sees every key position's."""
     def hook(module, args, kwargs):
-        state.hidden[id(module)] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        context = state.context.get(id(module))
+        state.hidden[id(module)] = hidden if context is None else torch.cat([context, hidden], dim=1)
     return hook
 
 
@@ -341,14 +246,13 @@ def attended_fraction(spec: SelectionSpec, length: int) -> float:
 
 class SelectionAdapter(Wrapped):
     """An HFAdapter evaluated under pooled selection, which acts at every position of the prefill as in the real
-    models.  An indexer that reads only the attention call's own queries and keys (oracle, mean, max) runs the
-    runner's split path: the context is prefilled once under selection and each query continues from a copy of
-    its cache under selection (selection is causal, so this is the whole prompt's forward; the cache holds the
-    keys the indexer scores).  A distilled indexer scores the prompt's hidden states, which a cache does not
-    hold, so there `prefill` keeps the context ids and `continue_from` runs context + query whole.  `attended`
-    is the share of the context the answering query attends (sink + local tail + K pools) at the last checked
-    prompt length; `extras` adds it and the selection mechanism per phase (`selection_mechanism`) to the audit's
-    summary."""
+    models.  It runs the runner's split path: the contexts are prefilled once under selection and each query
+    continues from a copy of their cache under selection (selection is causal, so this is the whole prompt's
+    forward).  A distilled indexer scores hidden states, which a cache does not hold: its prefill keeps each
+    layer's input hidden states of the contexts beside the cache, and a continuation joins them to the new
+    positions'.  `attended` is the share of the context the answering query attends (sink + local tail + K pools)
+    at the last checked prompt length; `extras` adds it and the selection mechanism per phase
+    (`selection_mechanism`) to the audit's summary."""
 
     def __init__(self, inner, spec: SelectionSpec):
         from phasekv.adapters.indexers import make_indexer
@@ -356,8 +260,7 @@ class SelectionAdapter(Wrapped):
         i = inner.info
         super().__init__(inner, replace(i, name=f"{i.name} {spec.name}", stride=spec.pool, local_window=spec.local))
         self.spec, self.indexer = spec, make_indexer(spec.indexer)
-        self.cached = not self.indexer.needs_hidden  # whether selection runs over the inner adapter's cache
-        self.shares_cache = inner.shares_cache and self.cached
+        self.shares_cache = inner.shares_cache
         self.attended: float | None = None
 
     def check_length(self, length: int) -> None:
@@ -392,19 +295,20 @@ class SelectionAdapter(Wrapped):
         return self._forward(ids, 1)
 
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
-        if not self.cached:
-            return ids, ids.shape[1]
-        with selecting(self.module, self.spec, self.indexer):
-            return self.inner.prefill(ids)
+        """The inner adapter's cache of the contexts, prefilled under selection; for an indexer that reads hidden
+        states, with each layer's input hidden states of the contexts beside it."""
+        with selecting(self.module, self.spec, self.indexer) as state:
+            cache = self.inner.prefill(ids)
+        return cache, (dict(state.hidden) if self.indexer.needs_hidden else {})
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
-        """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions."""
-        if self.cached:
-            with selecting(self.module, self.spec, self.indexer):
-                return self.inner.continue_by_copies(cache, ids, repeats)
-        contexts, _ = cache
-        whole = torch.cat([contexts.repeat_interleave(repeats, 0), ids.to(contexts.device)], dim=1)
-        return self._forward(whole, ids.shape[1])
+        """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions, from
+        copies of the contexts' cache (and hidden states) under selection: causal selection makes this the whole
+        prompts' forward."""
+        inner_cache, hidden = cache
+        with selecting(self.module, self.spec, self.indexer) as state:
+            state.context = {m: h.repeat_interleave(repeats, 0) for m, h in hidden.items()}
+            return self.inner.continue_by_copies(inner_cache, ids, repeats)
 
     def extras(self, sets: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         """What the audit records beside this condition's metrics: the attended share and, per padding protocol,

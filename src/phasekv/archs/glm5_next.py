@@ -23,20 +23,22 @@ from phasekv.archs.base import Architecture, CompressionGeometry, IndexerKind, a
 
 
 def pool_scores(indexer, hidden: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor):
-    """Glm5NextTextIndexer.forward's pool scores, with grad (no cache): (scores (B, S, P), candidates (B, S, P)
-    bool: complete pools whose last token the query sees, pool token indices (B, P, kpool))."""
+    """Glm5NextTextIndexer.forward's pool scores, with grad (no cache): (scores (B, Sq, P), candidates (B, Sq, P)
+    bool: complete pools whose last token the query sees, pool token indices (B, P, kpool)).  The queries are the
+    last Sq = q_resid.shape[1] of the S positions of `hidden` (all of them in a whole forward)."""
     b, s, _ = hidden.shape
-    q = indexer.wq_b(q_resid).view(b, s, -1, indexer.head_dim)  # (B, S, H, D)
+    sq = q_resid.shape[1]
+    q = indexer.wq_b(q_resid).view(b, sq, -1, indexer.head_dim)  # (B, Sq, H, D)
     k = indexer.k_norm(indexer.wk(hidden))  # (B, S, D)
     gate = F.linear(hidden, indexer.index_kpool_compress_gate)  # (B, S, D)
     packed = torch.cat([k, gate, mask.to(k.dtype)[..., None]], dim=-1)
     pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed_states=packed)
     scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hidden).float() * indexer.n_heads ** -0.5  # (B, S, H)
-    scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, S, P)
-    visible = indexer.get_visible_tokens(valid_keys=mask.bool(), q_length=s, current_length=s)  # (B, S, T)
+    weights = indexer.weights_proj(hidden[:, s - sq:]).float() * indexer.n_heads ** -0.5  # (B, Sq, H)
+    scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, Sq, P)
+    visible = indexer.get_visible_tokens(valid_keys=mask.bool(), q_length=sq, current_length=s)  # (B, Sq, S)
     ends = pool_indices[..., -1].clamp(0, s - 1)  # (B, P)
-    candidates = visible.gather(-1, ends[:, None, :].expand(b, s, -1)) & pool_valid[:, None]
+    candidates = visible.gather(-1, ends[:, None, :].expand(b, sq, -1)) & pool_valid[:, None]
     return scores, candidates, pool_indices
 
 
