@@ -406,7 +406,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
 
 
 LAYOUTS = {"deepseek_v4": __name__, "deepseek_v32": "phasekv.export.gguf_deepseek32",
-           "minimax_m3_vl_text": "phasekv.export.gguf_minimax_m3"}
+           "minimax_m3_vl_text": "phasekv.export.gguf_minimax_m3", "glm5_next_text": "phasekv.export.gguf_glm5_next"}
 
 
 def layout(config: Any):
@@ -468,6 +468,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
     if "vocab" not in experiment:
         raise ValueError(f"checkpoint {checkpoint}: config.json has no 'vocab' (not written by phasekv train)")
     vocab = Vocabulary.from_dict(experiment["vocab"])
+    if hf_out is not None and getattr(arch, "NO_HF_OUT", None):
+        raise ValueError(f"--hf-out: {arch.NO_HF_OUT}")
     model, _ = load_checkpoint(checkpoint)
     wide = arch.widen(model)
     name = resolve(checkpoint).name
