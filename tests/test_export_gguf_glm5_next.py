@@ -95,9 +95,9 @@ def test_the_widening_is_exact_but_for_hc_eps_and_a_wrong_one_is_not():
     prompts = length_prompts((14, 42, 56, 173), 256)
     exact = max((logprobs(without_hc_eps(model), p) - logprobs(without_hc_eps(wide), p)).abs().max().item()
                 for p in prompts)
-    assert exact < 1e-5  # measured 4.2e-6 (the model in float32 vs float64: 6e-6)
+    assert exact < 2e-5  # measured 5.2e-6: the hyper-connection mixes run in float32 even in a float64 model
     gap = max((logprobs(model, p) - logprobs(wide, p)).abs().max().item() for p in prompts)
-    assert gap < 5e-3  # measured 8.1e-4
+    assert gap < 5e-3  # measured 4.1e-4
     broken = copy.deepcopy(wide)  # streams 1..3 no longer take layer 0's attention output: the copies part
     with torch.no_grad():
         broken.model.layers[0].attn_hc.base[5:8] = eg.OFF
@@ -185,7 +185,7 @@ def test_llama_server_agrees_with_transformers_on_the_trained_checkpoint(exporte
             assert served_greedy(url, p, 16) == greedy(wide, p, 16)
     with llama_server(path, slots=1, context=512) as url:  # server defaults: f16 cache, flash attention auto
         for name, (gap, differ) in bucket_gaps(url, wide, 256).items():
-            assert gap < 0.05 and differ <= 1, name  # measured up to 2.4e-3, none differ
+            assert gap < 0.05 and differ <= 1, name  # measured up to 2.8e-3, none differ
 
 
 @needs_server
@@ -201,7 +201,7 @@ def test_the_indexer_is_live_in_llama_cpp(exported, tmp_path):
     with llama_server(tmp_path / "broken.gguf", slots=1, context=512, extra=STRICT) as url:
         gaps = bucket_gaps(url, wide, 256)
     below, *past = gaps.values()
-    assert below[0] < 1e-4 and all(gap > 1e-2 for gap, _ in past), gaps
+    assert below[0] < 1e-4 and all(gap > 1e-2 for gap, _ in past), gaps  # measured 5.3e-6; 2.2 and 2.8
 
 
 @needs_server
@@ -210,4 +210,4 @@ def test_a_shared_indexer_layer_agrees_on_a_random_model(tmp_path):
     eg.write_gguf(wide, tiny_vocab(), tmp_path / "tiny.gguf")
     with llama_server(tmp_path / "tiny.gguf", slots=1, context=512, extra=STRICT) as url:
         gap, differ, _ = served_gap(url, wide, random_prompts(6, 32, 10, 300, seed=4))
-    assert gap < 1e-4 and differ == 0
+    assert gap < 1e-4 and differ == 0  # measured 3.9e-5 (5.1e-3 at the server defaults)

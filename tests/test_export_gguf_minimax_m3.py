@@ -213,7 +213,7 @@ def test_llama_server_agrees_with_transformers_below_and_past_the_budget(tmp_pat
             assert served_greedy(url, p, 16) == greedy(wide, p, 16)
     with llama_server(tmp_path / "m3.gguf", slots=1, context=512) as url:  # server defaults: f16 cache, fa auto
         for name, (gap, differ) in bucket_gaps(url, wide).items():
-            assert gap < 0.05 and differ <= 1, name  # measured up to 9e-3, none differ
+            assert gap < 0.05 and differ <= 1, name  # measured up to 4.7e-3, none differ
 
 
 @needs_server
@@ -224,7 +224,7 @@ def test_a_leading_full_attention_layer_runs_flash_attention_in_f16(tmp_path):
     eg.write_gguf(wide, tiny_vocab(), tmp_path / "m3.gguf")
     with llama_server(tmp_path / "m3.gguf", slots=1, context=512, extra=STRICT_FA) as url:
         gaps = bucket_gaps(url, wide)
-    assert all(gap < 0.05 and differ == 0 for gap, differ in gaps.values()), gaps  # measured up to 1.0e-2
+    assert all(gap < 0.05 and differ == 0 for gap, differ in gaps.values()), gaps  # measured up to 3.1e-3
     assert max(gap for gap, _ in gaps.values()) > 1e-4  # the f16 cast: fails once llama.cpp keeps f32 there
 
 
@@ -241,7 +241,7 @@ def test_the_indexer_is_live_in_llama_cpp(tmp_path):
     with llama_server(tmp_path / "broken.gguf", slots=1, context=512, extra=STRICT_FA) as url:
         gaps = bucket_gaps(url, wide)
     below, *past = gaps.values()
-    assert below[0] < 1e-4 and all(gap > 1e-2 for gap, _ in past), gaps
+    assert below[0] < 1e-4 and all(gap > 1e-2 for gap, _ in past), gaps  # measured 1.8e-6; 5.9 and 5.7
 
 
 @needs_server
