@@ -269,3 +269,21 @@ def test_llama_cpp_dies_on_fewer_indexer_heads_than_kv_groups(tmp_path):
     with pytest.raises(launch.EngineDied, match="killed by SIGABRT"), llama_server(tmp_path / "as-is.gguf", slots=1,
                                                                                  context=512, startup_s=60):
         pass
+
+
+@needs_server
+def test_llama_cpp_runs_dense_attention_with_a_unified_cache_of_several_slots(tmp_path):
+    """Another divergence of llama.cpp b11434: with several slots (-np 2) the default per-slot cache streams select
+    as transformers does, but a unified cache (--kv-unified) makes minimax-m3 warn and run dense (block anchoring
+    needs one slot space per sequence): the same weights without selection (to the f16 cast of its ordinary
+    attention), not MiniMax-M3, past the budget.  A llama.cpp that selects in a unified cache fails this test."""
+    wide = em.widen(tiny_m3())
+    eg.write_gguf(wide, tiny_vocab(), tmp_path / "m3.gguf")
+    with llama_server(tmp_path / "m3.gguf", slots=2, context=1024, extra=STRICT_FA) as url:
+        streams = bucket_gaps(url, wide)
+    assert all(gap < 1e-4 for gap, _ in streams.values()), streams  # measured 1.8e-6 to 3.2e-6
+    with llama_server(tmp_path / "m3.gguf", slots=2, context=1024, extra=(*STRICT_FA, "--kv-unified")) as url:
+        sparse, dense = bucket_gaps(url, wide), bucket_gaps(url, unselective(wide))
+    assert all(gap < 2e-2 for gap, _ in dense.values()), dense  # measured 1.6e-3 to 4.7e-3
+    below, *past = sparse.values()
+    assert below[0] < 2e-2 and all(gap > 1e-1 for gap, _ in past), sparse  # measured 4.7e-3; 6.2 and 4.6
