@@ -105,12 +105,18 @@ def test_check_exportable_refuses_what_llama_cpp_cannot_run_in_one_line():
              (dict(hc_mult=2), "model.hc_mult"), (dict(scoring_func="softmax"), "model.scoring_func"),
              (dict(mlp_layer_types=["moe", "hash_moe"]), "model.mlp_layer_types"),
              (dict(layer_types=[SWA, HCA]), "model.layer_types: .* needs a compressed_sparse_attention layer")]
+    assert_refused(eg.check_exportable, config, cases)
+
+
+def assert_refused(check, config, cases: list[tuple[dict, str]]) -> None:
+    """`check` raises a ValueError matching `match` for a copy of `config` with each `change`, for (change, match)
+    in `cases`."""
     for change, match in cases:
         bad = copy.deepcopy(config)
         for k, v in change.items():
             setattr(bad, k, v)
         with pytest.raises(ValueError, match=match):
-            eg.check_exportable(bad)
+            check(bad)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer

@@ -1,5 +1,6 @@
 """`phasekv export lm-eval`: the phase-sensitivity prompts as an lm-evaluation-harness task;
-`phasekv export gguf`: a DeepSeek-V4 checkpoint as a GGUF file llama.cpp serves (`phasekv.export.gguf`).
+`phasekv export gguf`: a DeepSeek-V4, DeepSeek-V3.2, MiniMax-M3 or GLM-5.3 checkpoint as a GGUF file llama.cpp serves
+(`phasekv.export.gguf`).
 
     phasekv export lm-eval --tokenizer PATH --format records --protocol prefix --out DIR
     lm_eval --model hf --model_args pretrained=PATH --include_path DIR --tasks phasekv_records_prefix
@@ -30,14 +31,15 @@ def add_parser(sub) -> None:
     lm.add_argument("--out", required=True, help="output directory (the task's --include_path)")
     lm.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     lm.set_defaults(func=run)
-    gg = targets.add_parser("gguf", help="a DeepSeek-V4 checkpoint as a GGUF file for llama.cpp (docs/gguf.md)")
+    gg = targets.add_parser("gguf", help="a DeepSeek-V4, DeepSeek-V3.2, MiniMax-M3 or GLM-5.3 checkpoint as a GGUF "
+                                         "file for llama.cpp (docs/gguf.md)")
     gg.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory (transformers "
-                                                        "DeepseekV4ForCausalLM)")
+                                                        "DeepSeek-V4, DeepSeek-V3.2, MiniMax-M3 or GLM-5.3 text model)")
     gg.add_argument("--out", required=True, help="the .gguf file to write")
     gg.add_argument("--dtype", default="f32", help="f32 (default) or f16 (matrices only; no quantization)")
     gg.add_argument("--hf-out", metavar="DIR", help="also write the exported weights as a transformers directory "
                                                     "with the vocabulary's tokenizer (eval --endpoint's --tokenizer "
-                                                    "and --reference-hf)")
+                                                    "and --reference-hf; not for GLM-5.3)")
     gg.add_argument("--force", action="store_true", help="replace an existing --out (and phasekv's --hf-out)")
     gg.set_defaults(func=run_gguf)
 

@@ -1,7 +1,7 @@
 """`phasekv export gguf`: a transformers DeepSeek-V4 checkpoint as a GGUF file that llama.cpp's `deepseek4` serves.
 
-(DeepSeek-V3.2 checkpoints go to llama.cpp's `deepseek32` through the same writer and tokenizer; their layout and
-widening are in gguf_deepseek32.py, chosen by `layout`.)
+(DeepSeek-V3.2 checkpoints go to llama.cpp's `deepseek32` and MiniMax-M3 ones to `minimax-m3` through the same writer
+and tokenizer; their layouts and widenings are in gguf_deepseek32.py and gguf_minimax_m3.py, chosen by `layout`.)
 
 llama.cpp has its own DeepSeek-V4 kernels (src/models/deepseek4.cpp of b11434: the overlapping ratio-4 compressor and
 lightning indexer of CSA, the ratio-128 compressor of HCA, hyper-connections, grouped output projection); auditing
@@ -349,7 +349,8 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     """Write `model` (llama.cpp-shaped: `widen` first) and `vocab` as a GGUF file at `out`, atomically (a
     temporary sibling, flushed, renamed; a failed write, a full disk included, is one line and leaves no file).
     f16 stores the matrices as float16 except those transformers keeps in float32 (hyper-connections, sinks,
-    compressor biases, norms); 1-D tensors are always float32."""
+    compressor biases, norms) and those the layout's KEEP_F32 names (MiniMax-M3's indexer); 1-D tensors are always
+    float32."""
     import gguf
     import numpy as np
 
@@ -360,7 +361,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     config = model.config
     arch = layout(config)
     out = Path(out)
-    keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + getattr(arch, "KEEP_F32", ())
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), arch.ARCH)
     try:
@@ -404,7 +405,8 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     return {"file": str(out), "tensors": len(tensors), "dtype": dtype, "bytes": out.stat().st_size}
 
 
-LAYOUTS = {"deepseek_v4": __name__, "deepseek_v32": "phasekv.export.gguf_deepseek32"}
+LAYOUTS = {"deepseek_v4": __name__, "deepseek_v32": "phasekv.export.gguf_deepseek32",
+           "minimax_m3_vl_text": "phasekv.export.gguf_minimax_m3", "glm5_next_text": "phasekv.export.gguf_glm5_next"}
 
 
 def layout(config: Any):
@@ -413,8 +415,14 @@ def layout(config: Any):
     import importlib
 
     if config.model_type not in LAYOUTS:
-        raise ValueError(f"model.model_type: GGUF export covers {' and '.join(LAYOUTS)}, got {config.model_type!r}")
+        raise ValueError(f"model.model_type: GGUF export covers {covered()}, got {config.model_type!r}")
     return importlib.import_module(LAYOUTS[config.model_type])
+
+
+def covered() -> str:
+    """The model types `layout` knows, as a phrase ("a, b and c")."""
+    names = list(LAYOUTS)
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _add_value(writer, gguf, key: str, value: Any) -> None:
@@ -454,12 +462,14 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
     config = model_config_from_dict(experiment["model"])
     if not isinstance(config, TransformersModelConfig) or config.model_type not in LAYOUTS:
         raise ValueError(f"checkpoint {checkpoint}: model.model_type: GGUF export covers transformers' "
-                         f"{' and '.join(LAYOUTS)}, got {experiment['model'].get('model_type', 'phasekv')!r}")
+                         f"{covered()}, got {experiment['model'].get('model_type', 'phasekv')!r}")
     arch = layout(config)
     arch.check_exportable(config.to_hf())  # before the weights are read
     if "vocab" not in experiment:
         raise ValueError(f"checkpoint {checkpoint}: config.json has no 'vocab' (not written by phasekv train)")
     vocab = Vocabulary.from_dict(experiment["vocab"])
+    if hf_out is not None and getattr(arch, "NO_HF_OUT", None):
+        raise ValueError(f"--hf-out: {arch.NO_HF_OUT}")
     model, _ = load_checkpoint(checkpoint)
     wide = arch.widen(model)
     name = resolve(checkpoint).name
@@ -471,6 +481,6 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f32", hf_
             word_tokenizer(vocab, wide.config.vocab_size).save_pretrained(tmp)
             summary = write_gguf(wide, vocab, out, dtype, name)
     widened = {field: [getattr(model.config, field), getattr(wide.config, field)]
-               for field in ("hc_mult", "index_head_dim") if hasattr(model.config, field)}
+               for field in getattr(arch, "WIDENED", ("hc_mult", "index_head_dim")) if hasattr(model.config, field)}
     return {**summary, "checkpoint": str(checkpoint), "widened": widened,
             "hf_out": None if hf_out is None else str(hf_out)}
