@@ -35,6 +35,11 @@ INDEXER = dict(index_n_heads=16, index_head_dim=8)  # 16 heads: few heads leave 
 MLA = dict(vocab_size=256, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
            num_hidden_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, v_head_dim=8, index_topk=8,
            **INDEXER, max_position_embeddings=128, tie_word_embeddings=False)
+M3 = dict(vocab_size=256, hidden_size=32, intermediate_size=64, dense_intermediate_size=64, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=8, index_n_heads=2, index_head_dim=8,
+          index_block_size=4, index_topk_blocks=2, index_local_blocks=1, layer_types=["full_attention",
+          "minimax_m3_sparse"], mlp_layer_types=["dense", "dense"], num_local_experts=2, num_experts_per_tok=1,
+          max_position_embeddings=128, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
 
 
 @dataclass
@@ -68,6 +73,8 @@ ARCH_MATRIX = {
                                                       "indexer_types": ["full", "full"], "linear_head_dim": 8,
                                                       "linear_num_heads": 2, "hc_mult": 1, "pad_token_id": None},
                       ("glm5_kpool_indexer", 4, 4, [1]), indexer=True),
+    "minimax_m3": Arch("minimax_m3", "minimax_m3_vl_text", {**M3}, ("minimax_m3_block_indexer", 4, 4, [1]),
+                       indexer=True),
 }
 NAMES = sorted(ARCH_MATRIX)
 

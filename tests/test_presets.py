@@ -22,7 +22,8 @@ CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-unifor
              "glm5-kpool-induction",  # issue 26: GLM-5.3 under the token-attention recipe
              "w8s8-4kv-jitter",  # issue 15: random window offset per training step
              "w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer",  # issue 15: staggered KV heads (and layers)
-             "slices-contiguous-4kv", "slices-interleaved-4kv"}  # issue 40: head-partitioned attention, trained
+             "slices-contiguous-4kv", "slices-interleaved-4kv",  # issue 40: head-partitioned attention, trained
+             "minimax-m3"}  # issue 39: MiniMax-M3 block-sparse attention (transformers family)
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])

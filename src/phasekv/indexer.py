@@ -1,6 +1,7 @@
-"""The training signal of transformers' sparse-attention indexers (DeepSeek-V4 CSA, DeepSeek-V3.2 DSA, GLM-5.3 DSA).
+"""The training signal of transformers' sparse-attention indexers (DeepSeek-V4 CSA, DeepSeek-V3.2 DSA, GLM-5.3 DSA,
+MiniMax-M3 block-sparse attention).
 
-In all three the lightning indexer only *selects* (top-k indices), so the language-model loss gives its parameters
+In all of them the lightning indexer only *selects* (top-k indices), so the language-model loss gives its parameters
 no gradient.  DeepSeek-V3.2 (arXiv 2512.02556, section 2.1) trains it by distillation from the main attention: for
 query t, the main attention probabilities are summed over heads and L1-normalized over the candidates (target p_t);
 the indexer's scores I_t are softmaxed over the same candidates; the loss is
@@ -21,6 +22,9 @@ how to read its scores and what a candidate is:
                   own submodules on its detached inputs
   GLM-5.3         candidates are complete pools of tokens (a pool's target mass is its tokens' attention mass; the
                   raw tail the model always attends is no candidate); scores recomputed as for V3.2
+  MiniMax-M3      candidates are blocks of keys, one selection per KV group: the rows are (batch, group) pairs and
+                  a group's target is its own query heads' mass (`Record.groups`); the always-kept local blocks
+                  are no candidates; scores (a block's max) recomputed as for V3.2
 
 The recomputations are checked against the real modules' selections in tests/test_realarch.py.
 `distillation(model)` hooks the real modules (forward hooks that record, a pre-hook that detaches) and removes
@@ -48,6 +52,7 @@ class Record(NamedTuple):
     selected: torch.Tensor  # (B, S, C) bool: what the real indexer selected
     pools: torch.Tensor | None  # (B, C, kpool) token indices of each candidate pool; None: one key per candidate
     trailing: bool  # candidates are the attention's trailing key columns (V4: compressed entries after raw keys)
+    groups: int = 1  # rows are (batch, group) pairs: a group's target is its query heads' mass (MiniMax-M3)
 
     @property
     def used(self) -> torch.Tensor:
@@ -113,7 +118,9 @@ class Distillation:
             probs = self.attention.get(key)
             if probs is None:
                 continue
-            mass = probs.detach().float().sum(1)  # (B, S, keys): heads summed
+            b, heads = probs.shape[:2]
+            mass = probs.detach().float().view(b, record.groups, heads // record.groups, *probs.shape[2:])
+            mass = mass.sum(2).flatten(0, 1)  # (B * groups, S, keys): each group's heads summed
             if record.trailing:
                 mass = mass[..., mass.shape[-1] - record.scores.shape[-1]:]
             terms.append(kl_to_attention(record.scores, record.used, _pool_mass(mass, record.pools)))
@@ -156,7 +163,7 @@ def _record(state: Distillation, key: int, kind: IndexerKind, scorer_out: dict):
         cache = kwargs.get("cache", args[kind.cache_index] if len(args) > kind.cache_index else None)
         if torch.is_grad_enabled() and cache is None:
             state.records[key] = Record(*kind.record(module, args, kwargs, output, scorer_out.pop("scores", None)),
-                                        kind.trailing)
+                                        kind.trailing, kind.groups(module))
     return hook
 
 
@@ -176,10 +183,10 @@ def dense_selection(model: nn.Module, tokens: int, on: bool = True) -> Iterator[
     try:
         if on:
             for _, module, kind in indexers_of(model):
-                pool = kind.pool(module)
-                changed.append((module, module.index_topk))
-                module.index_topk = -(-int(tokens) // pool) * pool
+                pool, name = kind.pool(module), kind.topk_attribute or "index_topk"
+                changed.append((module, name, getattr(module, name)))
+                setattr(module, name, -(-int(tokens) // pool) * (1 if kind.topk_in_candidates else pool))
         yield len(changed)
     finally:
-        for module, topk in changed:
-            module.index_topk = topk
+        for module, name, topk in changed:
+            setattr(module, name, topk)

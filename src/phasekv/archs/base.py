@@ -100,6 +100,10 @@ class IndexerKind:
     scorer: type | None = None  # a differentiable scoring submodule: its inputs are detached, its output recorded
     trailing: bool = False  # candidates are the attention's trailing key columns (compressed entries after raw keys)
     pool: Callable[[nn.Module], int] = field(default=_one_token)  # tokens per candidate, for the dense warm-up
+    groups: Callable[[nn.Module], int] = field(default=_one_token)  # selections per batch row (MiniMax-M3: one
+    # per KV group); the record's rows are then (batch, group) pairs, group-major within a batch row
+    topk_attribute: str | None = None  # the indexer's top-k attribute the dense warm-up raises (None: DeepSeek's)
+    topk_in_candidates: bool = False  # that top-k counts candidates (blocks), not tokens
 
 
 def selected_mask(indices: torch.Tensor, width: int) -> torch.Tensor:

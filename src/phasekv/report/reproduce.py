@@ -55,8 +55,9 @@ PROBE_CLUSTERS = 8
 GRADED_CYCLING_CLUSTERS = 24  # gate cycling of a transformers architecture's compressors: 6,912 prompts
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger", "full-4kv",
            "full-8kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
-           "dsv4-hca", "dsv4-csa", "qwen3-full", "dsv32-dsa"]  # the last four: transformers' own DeepSeek-V4 (HCA
-# layers, CSA layers with the lightning indexer), Qwen3 and DeepSeek-V3.2 (token-level top-k DSA)
+           "dsv4-hca", "dsv4-csa", "qwen3-full", "dsv32-dsa", "minimax-m3"]  # the last five: transformers' own
+# DeepSeek-V4 (HCA layers, CSA layers with the lightning indexer), Qwen3, DeepSeek-V3.2 (token-level top-k DSA) and
+# MiniMax-M3 (top-k blocks of 4 keys)
 # the per-protocol metrics a summary keeps (period_scores: the findings name the verdict's period from them)
 METRIC_KEYS = ("mean_accuracy", "mean_ci", "max_gap_pp", "gap_ci_pp", "gap_crossfit_pp", "gap_crossfit_ci_pp",
                "phase_gap_pp", "detected_period", "flatness_p", "null_gap_p95_pp", "best_residue", "worst_residue",
