@@ -1,7 +1,8 @@
 """Head slicing on a bundled checkpoint of transformers' own classes (e.g. checkpoints/qwen3-full, transformers'
 Qwen3 trained on the lookup task): every condition under each protocol, written as an audit-shaped summary.json
-(`scripts/head_tables.py` reads it), and per-query-head knockouts at the final position under `none` and the first
-slicing (knockout.json: accuracy by owner group of the answer token per knocked-out head).
+(`scripts/head_tables.py` reads it), and knockouts per query head and per KV head (all its query heads at once) at
+the final position under `none` and the first slicing (knockout.json: accuracy by owner group of the answer token
+per knocked-out head).
 
     python scripts/head_slices_checkpoint.py CHECKPOINT OUT --conditions none "slices:kind=interleaved,group=query" \
         [--protocols prefix insequence query] [--clusters 2] [--knockout-protocol prefix] [--owners SLICES]
@@ -24,7 +25,7 @@ from phasekv.adapters.head_slices import HeadSliceAdapter, parse_slices
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import Source, eval_config, open_source
 from phasekv.outputs import write_json
-from phasekv.probes.hooks import QueryOnly, replace_heads
+from phasekv.probes.hooks import QueryOnly, heads_of_kv, replace_heads
 from phasekv.probes.knockout import calibration_means, calibration_set
 
 
@@ -68,7 +69,7 @@ def knockouts(adapter, eval_set, condition: str, batch: int, owners: str | None 
     wrapped = QueryOnly(_condition(adapter, condition))
     means = calibration_means(wrapped, calibration_set(eval_set, 256), batch, True, False)
     clean = predict(wrapped, eval_set, batch, True, False)
-    rows = []
+    rows, kv_rows = [], []
     for layer in range(adapter.info.num_layers):
         for head in range(adapter.info.num_heads):
             with replace_heads(wrapped, layer, [head], means[layer]):
@@ -76,9 +77,16 @@ def knockouts(adapter, eval_set, condition: str, batch: int, owners: str | None 
             rows.append({"layer": layer, "head": head,
                          "accuracy": round(sum(r["correct"] for r in records) / len(records), 4),
                          "by_answer_owner": _owner_accuracy(records, spec, groups)})
+        for kv in range(adapter.info.num_kv_heads):  # every query head reading KV head kv at once
+            with replace_heads(wrapped, layer, heads_of_kv(adapter, kv), means[layer]):
+                records = predict(wrapped, eval_set, batch, True, False)
+            kv_rows.append({"layer": layer, "kv_head": kv, "heads": heads_of_kv(adapter, kv),
+                            "accuracy": round(sum(r["correct"] for r in records) / len(records), 4),
+                            "by_answer_owner": _owner_accuracy(records, spec, groups)})
     return {"condition": condition, "owners_by": spec.name, "groups": groups, "n_prompts": len(clean),
             "clean": round(sum(r["correct"] for r in clean) / len(clean), 4),
-            "clean_by_answer_owner": _owner_accuracy(clean, spec, groups), "rows": rows}
+            "clean_by_answer_owner": _owner_accuracy(clean, spec, groups), "rows": rows,
+            "kv_rows": kv_rows}
 
 
 def main() -> None:
@@ -130,6 +138,8 @@ def main() -> None:
         print(k["condition"], "clean", k["clean"], k["clean_by_answer_owner"])
         for r in k["rows"]:
             print(f"  L{r['layer']} H{r['head']}: {r['accuracy']:.3f} by owner {r['by_answer_owner']}")
+        for r in k["kv_rows"]:
+            print(f"  L{r['layer']} KV{r['kv_head']}: {r['accuracy']:.3f} by owner {r['by_answer_owner']}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Why in-sequence padding keeps a period-S gap on a windowed checkpoint (docs/fixes.md): one eval run's accuracy
 split by where the target record lies on the model's window grid (split across two windows or whole in one) and by
-its spacing to the neighbouring records (fillers before and after it, fillers inside its window).
+its spacing to the neighbouring records (fillers before and after it and their parity, fillers inside its window).
 
     phasekv eval --checkpoint checkpoints/w9s8-4kv --threads 1 --protocol insequence --out runs/w9-inseq
     python scripts/insequence_spacing.py checkpoints/w9s8-4kv runs/w9-inseq OUT.json
@@ -78,6 +78,12 @@ def split_by(rows: list[dict], key) -> list[dict]:
     return out
 
 
+def parity(value) -> str:
+    """A gap's parity: with 2-token records packed as in training, every record of a window starts at one
+    parity; an odd gap moves the neighbours to the other."""
+    return "first/last" if value is None else ("even" if value % 2 == 0 else "odd")
+
+
 def tables(rows: list[dict], stride: int) -> dict:
     packed = [r for r in rows if r["gap_before"] == 0 and r["gap_after"] == 0]
     spaced = [r for r in rows if not (r["gap_before"] == 0 and r["gap_after"] == 0)]
@@ -87,6 +93,9 @@ def tables(rows: list[dict], stride: int) -> dict:
         "gap_before": split_by(rows, lambda r: bucket(r["gap_before"], 3)),
         "gap_after": split_by(rows, lambda r: bucket(r["gap_after"], 3)),
         "fillers_in_window": split_by(rows, lambda r: bucket(r["fillers_in_window"], 4)),
+        "gap_parity": split_by(rows, lambda r: f"{parity(r['gap_before'])} / {parity(r['gap_after'])}"),
+        "phase_by_gap_parity": split_by(rows, lambda r: (r["target_position"] % stride, parity(r["gap_before"]),
+                                                         parity(r["gap_after"]))),
         "packed_by_phase": split_by(packed, lambda r: r["target_position"] % stride),
         "spaced_by_phase": split_by(spaced, lambda r: r["target_position"] % stride),
         "phase_by_fillers_in_window": split_by(rows, lambda r: (r["target_position"] % stride,

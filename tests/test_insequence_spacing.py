@@ -60,3 +60,7 @@ def test_predictions_of_other_prompts_are_refused(script):
     for bad in ({**good, "target_position": 7}, {**good, "shift": 2}):
         with pytest.raises(ValueError, match="other settings"):
             script.joined(eval_set, [bad], 8, 8)
+
+
+def test_gap_parity_names_odd_even_and_the_ends(script):
+    assert [script.parity(g) for g in (0, 1, 2, 5, None)] == ["even", "odd", "even", "odd", "first/last"]
