@@ -138,6 +138,7 @@ def test_distillation_rows_are_batch_and_group_with_each_groups_attention_mass()
 
 
 def test_an_indexer_with_other_heads_than_kv_groups_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^model.index_n_heads: must equal num_key_value_heads=2 .*got 4\)?$"):
+    with pytest.raises(ValueError, match=r"^model.index_n_heads: must divide num_key_value_heads=2 .*got 4\)?$"):
         build(index_n_heads=4)
+    assert build(index_n_heads=1) is not None  # one indexer head for both KV groups: whole groups
     assert build(index_n_heads=4, layer_types=["full_attention"] * 2) is not None  # no indexer: nothing to check

@@ -90,12 +90,13 @@ class MiniMaxM3(Architecture):
     model_types = ("minimax_m3_vl_text", "minimax_m3_vl")
 
     def check_config(self, config: Any) -> None:
-        # the attention repeats each indexer head's selection over num_attention_heads // index_n_heads heads, and
-        # the GQA groups are num_key_value_heads: the two must agree (transformers does not check)
+        # the attention repeats each indexer head's selection over num_attention_heads // index_n_heads heads; an
+        # indexer head must serve whole KV groups (one head for every group, as the exporter's tests build, runs
+        # right; more heads than groups splits a group; transformers does not check)
         text = text_config(config)
-        if SPARSE in (text.layer_types or []) and text.index_n_heads != text.num_key_value_heads:
-            raise ValueError(f"model.index_n_heads: must equal num_key_value_heads={text.num_key_value_heads} (one "
-                             f"indexer head per KV group), got {text.index_n_heads}")
+        if SPARSE in (text.layer_types or []) and text.num_key_value_heads % text.index_n_heads:
+            raise ValueError(f"model.index_n_heads: must divide num_key_value_heads={text.num_key_value_heads} (each "
+                             f"indexer head selects for whole KV groups), got {text.index_n_heads}")
 
     def geometry(self, config: Any) -> CompressionGeometry | None:
         text = text_config(config)
