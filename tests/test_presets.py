@@ -23,7 +23,8 @@ CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-unifor
              "w8s8-4kv-jitter",  # issue 15: random window offset per training step
              "w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer",  # issue 15: staggered KV heads (and layers)
              "slices-contiguous-4kv", "slices-interleaved-4kv",  # issue 40: head-partitioned attention, trained
-             "minimax-m3"}  # issue 39: MiniMax-M3 block-sparse attention (transformers family)
+             "minimax-m3",  # issue 39: MiniMax-M3 block-sparse attention (transformers family)
+             "w9s8-4kv-gaps"}  # issue 40: W9/S8 trained with fillers between records (a fix under both paddings)
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])
