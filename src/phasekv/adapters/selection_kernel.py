@@ -43,7 +43,7 @@ class Geometry:
     @property
     def contiguous(self) -> bool:
         """Whether the keys sit at positions 0 .. Tk - 1 in order (a whole forward): pools are then slices."""
-        return torch.equal(self.key_pos, torch.arange(len(self.key_pos), device=self.key_pos.device))
+        return in_order(self.key_pos)
 
 
 def call_geometry(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -106,7 +106,8 @@ def positions(query: torch.Tensor, key: torch.Tensor,
 
 
 def in_order(key_pos: torch.Tensor) -> bool:
-    """Whether the keys sit at positions 0 .. Tk - 1 in order (`chunked_attention` serves the call)."""
+    """Whether the keys sit at positions 0 .. Tk - 1 in order (`chunked_attention` serves the call, and pools are
+    slices of the key axis)."""
     return torch.equal(key_pos, torch.arange(len(key_pos), device=key_pos.device))
 
 
