@@ -22,7 +22,9 @@ from tests.helpers import needs_real
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 CHECKPOINT = "checkpoints/dsv4-csa"
 GGUF_PRESENT = importlib.util.find_spec("gguf") is not None
-needs_gguf = pytest.mark.skipif(not GGUF_PRESENT, reason="gguf extra not installed (make real-model)")
+# the gguf package comes with `make real-model`, after `make test` on a fresh clone: writing a file needs it, so these
+# tests are real ones (required by `make test-real`, skipped by a fresh `make test`)
+needs_gguf = needs_real(GGUF_PRESENT, "gguf extra not installed (make real-model)")
 needs_server = needs_real(LLAMA_SERVER.is_file() and GGUF_PRESENT, "llama-server not built (make engine) or no gguf")
 # f32 weights, f32 KV cache, flash attention off: what is left is llama.cpp's arithmetic (measured below)
 STRICT = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")

@@ -147,6 +147,7 @@ def test_the_file_holds_llama_cpp_names(dtype, tmp_path):
             for i in reader.fields["glm5-next.attention.head_count_kv"].data] == [0, 1, 1]
 
 
+@needs_gguf
 def test_the_command_exports_the_trained_checkpoint_and_refuses_hf_out(tmp_path):
     summary = eg.export_gguf(CHECKPOINT, tmp_path / "glm.gguf")
     assert summary["widened"] == {"hc_mult": [1, 4]} and (tmp_path / "glm.gguf").is_file()

@@ -171,6 +171,7 @@ def test_the_file_holds_llama_cpp_names_and_the_baked_norms(dtype, tmp_path):
         assert field(f"minimax-m3.{key}") == [value], key
 
 
+@needs_gguf
 def test_the_command_exports_a_minimax_checkpoint(tmp_path):
     from phasekv.checkpoint import save_checkpoint
 
