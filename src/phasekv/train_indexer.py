@@ -13,9 +13,8 @@ scores max-pooled into blocks of `pool` keys from position 0), one per layer of 
   2. features: one dense forward per sequence keeps each layer's input hidden states and its attention mass per
      pool of `pool` tokens (all heads summed for glm5, each KV group's query heads for minimax), the target p_t;
   3. training: the sum over layers (and groups) of mean_t KL(p_t || softmax(I_t)) over the pools selection
-     chooses among
-     (complete, not in the local tail or the sink; `phasekv.indexer.kl_to_attention`), AdamW, on the cached
-     features (the model never runs again);
+     chooses among (complete, not in the local tail or the sink; `phasekv.indexer.kl_to_attention`), AdamW, on
+     the cached features (the model never runs again);
   4. held-out: the KL (per layer and group) and the top-K recall of the oracle's pools (K at a quarter of each
      context) on sequences never trained on, before and after training.
 
