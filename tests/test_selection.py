@@ -114,9 +114,10 @@ def test_the_reshaped_pool_reduction_matches_the_scatter(how, t, pool):
         assert torch.equal(ix.pool_reduce_fast(neutral, None, pool, pools, how), fast)
 
 
-def test_the_distilled_indexer_matches_the_reference_too(tmp_path):
-    directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
-    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,indexer=distilled:{directory}")
+@pytest.mark.parametrize("kind, heads", [("glm5", "shared"), ("minimax", "kv")])
+def test_the_distilled_indexer_matches_the_reference_too(tmp_path, kind, heads):
+    directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4, kind=kind)
+    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,heads={heads},indexer=distilled:{directory}")
     q, k, v = _call(t=41)  # a trailing incomplete pool, which the real module leaves out of its pools
     hidden = torch.randn(2, 41, 16)
     fast = _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden)
@@ -158,12 +159,12 @@ def test_the_oracle_selects_the_pools_with_the_most_attention_mass():
     assert chosen[0, 0, 6].nonzero().flatten().tolist() == [0]  # at t = 6 pool 1 is incomplete: not a candidate
 
 
-@pytest.mark.parametrize("indexer", ["oracle", "mean", "max", "distilled"])
+@pytest.mark.parametrize("indexer", ["oracle", "mean", "max", "distilled", "distilled-minimax"])
 def test_selection_never_looks_at_the_future(indexer, tmp_path):
     """Changing the tokens after position t changes no logit at or before t, whatever the indexer."""
     model = tiny_causal_lm("llama", 50, 256, "eager")
-    name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
-    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,sink=1,indexer={name}")
+    name, heads = _indexer_name(indexer, tmp_path)
+    spec = sel.parse_selection(f"kpool:pool=4,top=2,local=4,sink=1,heads={heads},indexer={name}")
     ids = torch.randint(0, 50, (2, 48))
     other = ids.clone()
     other[:, 30:] = torch.randint(0, 50, (2, 18))
@@ -198,14 +199,14 @@ def test_a_budget_attends_everything_matches_dense_attention():
             assert torch.allclose(model(ids).logits, dense, atol=1e-5)
 
 
-@pytest.mark.parametrize("indexer", ["oracle", "max", "distilled"])
+@pytest.mark.parametrize("indexer", ["oracle", "max", "distilled", "distilled-minimax"])
 def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them(indexer, tmp_path):
     """Prefill then continue over copies of the selected cache (and, for distilled, of the contexts' hidden states)
     gives the logits of one selected forward per whole prompt, and differs from the dense model's."""
     model = tiny_causal_lm("llama", 50, 256, "eager")
-    name = f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4)}" if indexer == "distilled" else indexer
+    name, heads = _indexer_name(indexer, tmp_path)
     adapter = sel.SelectionAdapter(HFAdapter(model, "tiny"), sel.parse_selection(f"kpool:pool=4,top=2,local=4,"
-                                                                                f"indexer={name}"))
+                                                                                f"heads={heads},indexer={name}"))
     contexts = torch.randint(0, 50, (2, 30))
     queries = torch.randint(0, 50, (6, 3))
     split = adapter.continue_from(adapter.prefill(contexts), queries, 3)
@@ -246,20 +247,24 @@ def test_a_distilled_indexer_for_another_pool_is_refused(tmp_path):
         sel.parse_selection(f"kpool:pool=8,top=2,local=8,indexer=distilled:{directory}")
 
 
-def test_distillation_lowers_the_held_out_kl_and_raises_recall():
-    """The real Glm5NextTextIndexer modules on a tiny Llama's hidden states, trained on the KL to its dense
-    attention over random sequences: the held-out KL falls and the top-K recall of the oracle's pools rises."""
+@pytest.mark.parametrize("kind", ["glm5", "minimax"])
+def test_distillation_lowers_the_held_out_kl_and_raises_recall(kind):
+    """The real Glm5NextTextIndexer (one selection) or MiniMaxM3VLIndexer (one per KV group: the target is the
+    group's own heads' mass) modules on a tiny Llama's hidden states, trained on the KL to its dense attention over
+    random sequences: the held-out KL falls and the top-K recall of the oracle's pools rises."""
     from phasekv.train_indexer import IndexerTraining, features, fit, held_out
 
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", 50, 256, "sdpa").requires_grad_(False)
     seqs = [torch.randint(0, 50, (64,)).tolist() for _ in range(10)]
-    feats = features(model, seqs, 4, progress=False)
-    assert feats[0]["hidden"].shape == (2, 64, 32) and feats[0]["mass"].shape == (2, 64, 16)
-    assert torch.allclose(feats[0]["mass"].float().sum(-1), torch.full((2, 64), 4.0), atol=0.02)  # 4 heads' mass
-    cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=8, held_out=2, length=64, steps=150, batch=4,
-                          lr=3e-3, local=4)
-    indexers = ix.build_glm_indexers(32, 2, 4, 2, 8)
+    groups = 2 if kind == "minimax" else 1  # the tiny Llama's 4 heads in 2 KV groups
+    feats = features(model, seqs, 4, progress=False, groups=groups)
+    assert feats[0]["hidden"].shape == (2, 64, 32) and feats[0]["mass"].shape == (2, groups, 64, 16)
+    heads_per_group = torch.full((2, groups, 64), 4.0 / groups)
+    assert torch.allclose(feats[0]["mass"].float().sum(-1), heads_per_group, atol=0.02)  # each group's heads' mass
+    cfg = IndexerTraining(kind=kind, pool=4, heads=2, head_dim=8, sequences=8, held_out=2, length=64, steps=150,
+                          batch=4, lr=3e-3, local=4)
+    indexers = ix.build_indexers(_shape(kind, hidden=32, layers=2, pool=4))
     before = held_out(indexers, feats[8:], cfg)
     fit(indexers, feats[:8], cfg, progress=False)
     after = held_out(indexers, feats[8:], cfg)
@@ -275,12 +280,12 @@ def test_distillation_ranks_only_the_pools_selection_chooses_among():
     torch.manual_seed(0)
     cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=1, held_out=1, length=48, local=8, sink=1)
     indexers = ix.build_glm_indexers(16, 1, 4, 2, 8)
-    mass = torch.rand(1, 48, 12)
+    mass = torch.rand(1, 1, 48, 12)  # (L, G, T, pools)
     feature = {"hidden": torch.randn(1, 48, 16), "mass": mass}
     base = float(distillation_loss(indexers, [feature], cfg))
     tail, far = mass.clone(), mass.clone()
-    tail[0, 47, 10] += 5.0  # pool 10 (keys 40..43) is inside query 47's local tail (40..47)
-    far[0, 47, 3] += 5.0  # pool 3 (keys 12..15) is a candidate of query 47
+    tail[0, 0, 47, 10] += 5.0  # pool 10 (keys 40..43) is inside query 47's local tail (40..47)
+    far[0, 0, 47, 3] += 5.0  # pool 3 (keys 12..15) is a candidate of query 47
     assert float(distillation_loss(indexers, [{**feature, "mass": tail}], cfg)) == pytest.approx(base, abs=1e-6)
     assert abs(float(distillation_loss(indexers, [{**feature, "mass": far}], cfg)) - base) > 1e-4
 
@@ -303,18 +308,35 @@ def test_the_mechanism_counts_the_target_pool_per_phase():
         assert p["n"] == 2 and 0 <= p["target_selected"] <= 1 and 0 <= p["answer_mass"] <= 1
 
 
-def _distilled_dir(tmp_path, hidden: int, layers: int, pool: int):
+def _shape(kind: str, hidden: int, layers: int, pool: int) -> dict:
+    """An indexer config: 2 heads of 8 dims (for minimax one per KV group of the tiny Llama and _call)."""
+    shape = {"pool": pool, "hidden_size": hidden, "layers": layers, "heads": 2, "head_dim": 8}
+    return {**shape, "kind": ix.MINIMAX_KIND, "rope_theta": 10000.0} if kind == "minimax" else shape
+
+
+def _distilled_dir(tmp_path, hidden: int, layers: int, pool: int, kind: str = "glm5"):
     from safetensors.torch import save_file
 
-    directory = tmp_path / f"indexer-{hidden}-{layers}-{pool}"
+    directory = tmp_path / f"indexer-{kind}-{hidden}-{layers}-{pool}"
     directory.mkdir()
-    modules = ix.build_glm_indexers(hidden, layers, pool, 2, 8, seed=1)
-    for m in modules:  # a non-trivial pooling gate, so the real module's weighting is exercised
-        torch.nn.init.normal_(m.index_kpool_compress_gate, std=0.1)
+    config = _shape(kind, hidden, layers, pool)  # glm5: no "kind", as the first indexers were written
+    modules = ix.build_indexers(config, seed=1)
+    for m in modules:  # non-trivial norms / pooling gate, so the real module's weighting is exercised
+        for name, w in m.named_parameters():
+            if name.endswith("norm.weight") or "compress_gate" in name:
+                torch.nn.init.normal_(w, mean=1.0 if "norm" in name else 0.0, std=0.1)
     save_file({k: v.contiguous() for k, v in modules.state_dict().items()}, str(directory / ix.WEIGHTS_FILE))
-    (directory / ix.CONFIG_FILE).write_text(json.dumps({"pool": pool, "hidden_size": hidden, "layers": layers,
-                                                        "heads": 2, "head_dim": 8}))
+    (directory / ix.CONFIG_FILE).write_text(json.dumps(config))
     return directory
+
+
+def _indexer_name(indexer: str, tmp_path) -> tuple[str, str]:
+    """(indexer=, heads=) of a test's indexer: distilled ones on the tiny Llama (the minimax kind needs heads=kv)."""
+    if not indexer.startswith("distilled"):
+        return indexer, "shared"
+    kind = "minimax" if indexer.endswith("minimax") else "glm5"
+    return f"distilled:{_distilled_dir(tmp_path, hidden=32, layers=2, pool=4, kind=kind)}", \
+        "kv" if kind == "minimax" else "shared"
 
 
 def _plain(t: int):

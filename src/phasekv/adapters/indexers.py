@@ -11,10 +11,12 @@ input hidden states.  Scores of pools with no visible key are -inf.
                  mean(q . k)): a pooled-key indexer with no training
   max            the pool's largest per-key logit, summed over the group's heads: MiniMax-M3's max-pooling of
                  per-key scores into blocks, with the model's own queries and keys as the indexer's
-  distilled:DIR  transformers' real `Glm5NextTextIndexer` modules, one per layer, on the layer's input hidden
-                 states (the query residual is the same hidden state: a dense model has no query LoRA), trained
-                 by `phasekv train-indexer` (`phasekv.train_indexer`) and saved in DIR as indexer.safetensors
-                 beside indexer.json
+  distilled:DIR  trained indexer modules, one per layer, on the layer's input hidden states, saved in DIR by
+                 `phasekv train-indexer` (`phasekv.train_indexer`) as indexer.safetensors beside indexer.json,
+                 whose "kind" says which: transformers' real `Glm5NextTextIndexer` (glm5_kpool: the query
+                 residual is the same hidden state, a dense model has no query LoRA; one selection for all heads)
+                 or `MiniMaxM3VLIndexer` (minimax_m3_block: its per-key scores, RoPE'd at the key positions,
+                 max-pooled into blocks of `pool` keys from position 0; one selection per KV group, heads=kv)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 KINDS = ("oracle", "mean", "max", "distilled:DIR")
 CONFIG_FILE, WEIGHTS_FILE = "indexer.json", "indexer.safetensors"
+GLM_KIND, MINIMAX_KIND = "glm5_kpool", "minimax_m3_block"  # indexer.json's "kind" (GLM-5.3's when absent)
 
 
 def pool_reduce(values: torch.Tensor, key_pool: torch.Tensor, pools: int, visible: torch.Tensor,
@@ -173,8 +176,64 @@ def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | Non
     return F.pad(scores, (0, pools - scores.shape[-1]), value=float("-inf"))
 
 
+def minimax_indexer_config(hidden_size: int, pool: int, heads: int, head_dim: int, rope_theta: float) -> Any:
+    """A `MiniMaxM3VLTextConfig` with the fields `MiniMaxM3VLIndexer` and its rotary embedding read: blocks of
+    `pool` keys, `heads` indexer heads (one per KV group) of `head_dim`, default RoPE at the model's theta over
+    the indexer's head dimension."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    return MiniMaxM3VLTextConfig(hidden_size=hidden_size, index_n_heads=heads, index_head_dim=head_dim,
+                                 index_block_size=pool, index_topk_blocks=1, index_local_blocks=0, head_dim=head_dim,
+                                 rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+
+
+def build_minimax_indexers(hidden_size: int, layers: int, pool: int, heads: int, head_dim: int, rope_theta: float, *,
+                           seed: int = 0) -> nn.ModuleList:
+    """One freshly initialised transformers `MiniMaxM3VLIndexer` per layer."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
+
+    torch.manual_seed(seed)
+    config = minimax_indexer_config(hidden_size, pool, heads, head_dim, rope_theta)
+    return nn.ModuleList(MiniMaxM3VLIndexer(config, i) for i in range(layers))
+
+
+def minimax_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """(B, T, hidden) -> (B, H, Tq, ceil(T / block)) the real module's block scores (`minimax_m3.block_scores`:
+    per-key scores max-pooled into blocks from position 0, -inf where a block has no causal key) for the last
+    Tq = `queries` positions, with grad; RoPE from the module's config at positions 0 .. T-1."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRotaryEmbedding
+
+    from phasekv.archs.minimax_m3 import block_scores
+
+    b, t, _ = hidden.shape
+    position_ids = torch.arange(t, device=hidden.device)[None].expand(b, -1)
+    cos_sin = MiniMaxM3VLRotaryEmbedding(indexer.config)(hidden, position_ids)
+    return block_scores(indexer, hidden, cos_sin, position_ids)[:, :, t - (queries or t):]
+
+
+def indexer_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+    """(B, T, hidden) -> (B, G, Tq, pools) pool scores of either kind's module, with grad: G = 1 for GLM-5.3's
+    (its heads weighted into one score), G = its heads (one per KV group) for MiniMax-M3's."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
+
+    if isinstance(indexer, MiniMaxM3VLIndexer):
+        return minimax_pool_scores(indexer, hidden, queries)
+    return glm_pool_scores(indexer, hidden, queries)[:, None]
+
+
+def build_indexers(config: dict[str, Any], seed: int = 0) -> nn.ModuleList:
+    """The freshly initialised per-layer modules an indexer config describes (its "kind", fields)."""
+    kind = config.get("kind", GLM_KIND)
+    shape = (config["hidden_size"], config["layers"], config["pool"], config["heads"], config["head_dim"])
+    if kind == GLM_KIND:
+        return build_glm_indexers(*shape, seed=seed)
+    if kind == MINIMAX_KIND:
+        return build_minimax_indexers(*shape, config["rope_theta"], seed=seed)
+    raise ValueError(f"indexer kind {kind!r}: allowed {GLM_KIND}, {MINIMAX_KIND}")
+
+
 class Distilled(Indexer):
-    """Trained `Glm5NextTextIndexer`s, one per layer, read from DIR (`load_distilled`)."""
+    """Trained indexer modules of either kind, one per layer, read from DIR (`load_distilled`)."""
 
     needs_hidden = True
 
@@ -187,13 +246,17 @@ class Distilled(Indexer):
         if not geometry.contiguous:
             raise ValueError("indexer=distilled: scores keys at positions 0 .. T-1 in order only (its keys are "
                              "the hidden states of the positions before each query)")
-        return self._scores(module, hidden, logits.shape[-2], logits.shape[-1])[..., :pools]
+        scores = self._scores(module, hidden, logits.shape[-2], logits.shape[-1])[..., :pools]
+        if scores.shape[1] not in (1, kv_heads):
+            raise ValueError(f"indexer=distilled: {self.directory} has {scores.shape[1]} selection groups; the "
+                             f"model has {kv_heads} KV heads")
+        return scores
 
     def call_scores(self, *, module, hidden, query_pos, tk, pool):
         return self._scores(module, hidden, len(query_pos), tk)
 
     def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int) -> torch.Tensor:
-        """(B, 1, Tq, ceil(Tk / pool)) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width)
+        """(B, G, Tq, ceil(Tk / pool)) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width)
         `hidden` holds (the selection's hook joins a cached context's to the new positions')."""
         if hidden is None or hidden.shape[1] != tk:
             raise ValueError("indexer=distilled: needs the hidden states of every key position (a cache made "
@@ -203,11 +266,12 @@ class Distilled(Indexer):
             raise ValueError(f"indexer=distilled: {self.directory} has {len(self.modules)} layers; the model's "
                              f"attention layer {layer} has no indexer")
         with torch.no_grad():
-            return glm_pool_scores(self.modules[layer], hidden.float(), tq)[:, None]
+            return indexer_pool_scores(self.modules[layer], hidden.float(), tq)
 
 
-def check_indexer(name: str, pool: int) -> None:
-    """One-line ValueError for an unknown indexer, or a distilled one trained for another pool size."""
+def check_indexer(name: str, pool: int, heads: str = "shared") -> None:
+    """One-line ValueError for an unknown indexer, or a distilled one trained for another pool size, or a
+    MiniMax-M3 one (a selection per KV group) asked for one selection shared by all heads."""
     if name in ("oracle", "mean", "max"):
         return
     if not name.startswith("distilled:"):
@@ -217,9 +281,12 @@ def check_indexer(name: str, pool: int) -> None:
     if not config_path.is_file() or not (directory / WEIGHTS_FILE).is_file():
         raise ValueError(f"kpool: indexer={name}: {directory} holds no {CONFIG_FILE} and {WEIGHTS_FILE} "
                          "(train one with phasekv train-indexer)")
-    trained = _read_config(config_path).get("pool")
-    if trained != pool:
-        raise ValueError(f"kpool: indexer={name} was trained for pool={trained}, not pool={pool}")
+    config = _read_config(config_path)
+    if config.get("pool") != pool:
+        raise ValueError(f"kpool: indexer={name} was trained for pool={config.get('pool')}, not pool={pool}")
+    if config.get("kind") == MINIMAX_KIND and heads != "kv":
+        raise ValueError(f"kpool: indexer={name} is a MiniMax-M3 indexer (one selection per KV group): it needs "
+                         f"heads=kv, not heads={heads}")
 
 
 def make_indexer(name: str) -> Indexer:
@@ -243,8 +310,7 @@ def load_distilled(directory: Path) -> tuple[dict[str, Any], nn.ModuleList]:
 
     config = _read_config(directory / CONFIG_FILE)
     try:
-        modules = build_glm_indexers(config["hidden_size"], config["layers"], config["pool"], config["heads"],
-                                     config["head_dim"])
+        modules = build_indexers(config)
     except KeyError as e:
         raise ValueError(f"{directory / CONFIG_FILE}: missing field {e}") from None
     state = load_file(str(directory / WEIGHTS_FILE))

@@ -93,7 +93,7 @@ class SelectionSpec:
             raise ValueError(f"kpool: heads={self.heads!r}: allowed {', '.join(HEAD_MODES)}")
         from phasekv.adapters.indexers import check_indexer
 
-        check_indexer(self.indexer, self.pool)
+        check_indexer(self.indexer, self.pool, self.heads)
 
     @property
     def name(self) -> str:

@@ -1,7 +1,9 @@
-"""`phasekv train-indexer --hf DIR [--gguf-file NAME] --pool 4 --out OUT`: transformers' GLM-5.3 k-pool indexer
-(`Glm5NextTextIndexer`, one per layer) distilled onto a frozen dense LM (`phasekv.train_indexer`); OUT then serves
-`phasekv audit --select kpool:pool=4,...,indexer=distilled:OUT`.  The work is kept in .OUT.partial beside OUT
-until it is complete (a killed run resumes from the features it had computed) and then published as OUT."""
+"""`phasekv train-indexer --hf DIR [--gguf-file NAME] [--kind glm5|minimax] --pool 4 --out OUT`: transformers'
+GLM-5.3 k-pool indexer (`Glm5NextTextIndexer`) or MiniMax-M3 block indexer (`MiniMaxM3VLIndexer`, one head per KV
+group), one per layer, distilled onto a frozen dense LM (`phasekv.train_indexer`); OUT then serves
+`phasekv audit --compress none kpool:pool=4,...,indexer=distilled:OUT` (heads=kv for minimax).  The work is kept in
+.OUT.partial beside OUT until it is complete (a killed run resumes from the features it had computed) and then
+published as OUT."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from typing import Any
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train-indexer", help="distil a GLM-5.3 k-pool indexer onto a frozen transformers LM")
+    p = sub.add_parser("train-indexer", help="distil a GLM-5.3 k-pool or MiniMax-M3 block indexer onto a frozen "
+                                             "transformers LM")
+    p.add_argument("--kind", choices=("glm5", "minimax"), default="glm5",
+                   help="glm5: Glm5NextTextIndexer, one selection for all heads; minimax: MiniMaxM3VLIndexer, one "
+                        "head and one selection per KV group")
     p.add_argument("--hf", required=True, help="transformers causal LM: local directory")
     p.add_argument("--gguf-file", help="load this GGUF file inside --hf (needs the gguf extra: make real-model)")
     p.add_argument("--pool", type=int, default=4, help="tokens per pool (GLM-5.3: 4)")
-    p.add_argument("--heads", type=int, default=4, help="indexer heads")
-    p.add_argument("--head-dim", type=int, default=32, help="indexer head dimension")
+    p.add_argument("--heads", type=int, help="indexer heads (default: glm5 4, minimax the model's KV heads)")
+    p.add_argument("--head-dim", type=int, help="indexer head dimension (default: glm5 32, minimax the model's)")
     p.add_argument("--sequences", type=int, default=64, help="training sequences of the corpus")
     p.add_argument("--held-out", type=int, default=16, help="held-out sequences (KL and recall before and after)")
     p.add_argument("--length", type=int, default=384, help="tokens per sequence")
@@ -31,22 +37,30 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict[str, Any]:
+    from dataclasses import replace
+
     import torch
 
     from phasekv.adapters.hf import load_hf
+    from phasekv.archs.base import text_config
     from phasekv.outputs import check_output_dir, mark, publish_checked
     from phasekv.train_indexer import IndexerTraining, train_indexer
 
     if not args.lr > 0:
         raise ValueError(f"--lr: must be > 0, got {args.lr}")
-    cfg = IndexerTraining(pool=args.pool, heads=args.heads, head_dim=args.head_dim, sequences=args.sequences,
-                          held_out=args.held_out, length=args.length, steps=args.steps, batch=args.batch, lr=args.lr,
-                          seed=args.seed)
+    cfg = IndexerTraining(kind=args.kind, pool=args.pool, heads=args.heads or 4, head_dim=args.head_dim or 32,
+                          sequences=args.sequences, held_out=args.held_out, length=args.length, steps=args.steps,
+                          batch=args.batch, lr=args.lr, seed=args.seed)  # checked before loading anything
     out = Path(args.out)
     check_output_dir(out, args.force)  # before loading anything
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
+    if args.kind == "minimax":  # one indexer head per KV group, the model's head dimension (its RoPE)
+        text = text_config(adapter.module.config)
+        cfg = replace(cfg, heads=args.heads or text.num_key_value_heads,
+                      head_dim=args.head_dim or getattr(text, "head_dim", None)
+                      or text.hidden_size // text.num_attention_heads)
     work = out.absolute().parent / f".{out.name}.partial"
     work.mkdir(parents=True, exist_ok=True)
     config = train_indexer(adapter.module, tokenizer, work, cfg, model_name=adapter.info.name,
