@@ -15,6 +15,11 @@ input hidden states.  Scores of pools with no visible key are -inf.
                  states (the query residual is the same hidden state: a dense model has no query LoRA), trained
                  by `phasekv train-indexer` (`phasekv.train_indexer`) and saved in DIR as indexer.safetensors
                  beside indexer.json
+
+On a moved grid (`grid=stagger|jitter`, `Geometry.origins`) oracle, mean and max pool each key into its moved pool
+(the scatter path); the distilled indexer pools the hidden states over each request's moved pools with the real
+module's `get_pooled_states` (jitter; `phasekv.archs.glm5_next.pool_scores`), and makes one selection for all heads
+so it has no per-group grid (stagger is refused).
 """
 
 from __future__ import annotations
@@ -79,11 +84,11 @@ def pool_reduce_fast(values: torch.Tensor, visible: torch.Tensor | None, pool: i
 
 
 def pooled(values: torch.Tensor, geometry: Any, pool: int, pools: int, how: str) -> torch.Tensor:
-    """values (B, H, Tq, Tk) reduced per pool of the call's keys: the reshape when the keys sit at 0 .. Tk - 1,
-    the scatter otherwise (keys over a cache with packed queries)."""
-    if geometry.contiguous:
+    """values (B, H, Tq, Tk) reduced per pool of the call's keys: the reshape when the keys sit at 0 .. Tk - 1 on
+    the grid at 0, the scatter otherwise (keys over a cache with packed queries, or a moved grid)."""
+    if geometry.slices:
         return pool_reduce_fast(values, geometry.visible, pool, pools, how)
-    return pool_reduce(values, geometry.key_pool(pool), pools, geometry.visible, how)
+    return pool_reduce(values, geometry.key_pool(pool, values.shape[1]), pools, geometry.visible, how)
 
 
 def group_heads(scores: torch.Tensor, groups: int) -> torch.Tensor:
@@ -105,7 +110,7 @@ class Indexer:
         raise NotImplementedError
 
     def call_scores(self, *, module: nn.Module, hidden: torch.Tensor | None, query_pos: torch.Tensor, tk: int,
-                    pool: int) -> torch.Tensor | None:
+                    pool: int, origins: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pool scores (B, G, Tq, pools) of a whole call at once, for an indexer that does not read the dense
         logits (the block-wise attention then slices them); None: score each block from its logits."""
         return None
@@ -120,7 +125,7 @@ class Oracle(Indexer):
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
         probs = logits.float().masked_fill(~geometry.visible, float("-inf")).softmax(-1)  # dense attention
-        if geometry.contiguous:  # probs are 0 wherever the query does not see the key: nothing to mask again
+        if geometry.slices:  # probs are 0 wherever the query does not see the key: nothing to mask again
             mass = pool_reduce_fast(probs, None, spec.pool, pools, "sum")
         else:
             mass = pooled(probs, geometry, spec.pool, pools, "sum")
@@ -161,15 +166,19 @@ def build_glm_indexers(hidden_size: int, layers: int, pool: int, heads: int, hea
     return nn.ModuleList(Glm5NextTextIndexer(config, i) for i in range(layers))
 
 
-def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None,
+                    origins: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, hidden) -> (B, Tq, ceil(T / pool)) scores of the real module's pools (from position 0) for the last
     Tq = `queries` positions (default all T), with grad; the module leaves out a trailing incomplete pool (never a
-    candidate), which comes back here as -inf."""
+    candidate), which comes back here as -inf.  `origins` (B,): each row's pools moved by its origin o (pool j:
+    positions jP - o .. jP - o + P - 1), ceil((T + P - 1) / pool) of them."""
     from phasekv.archs.glm5_next import pool_scores
 
     mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-    scores, _, _ = pool_scores(indexer, hidden, hidden[:, hidden.shape[1] - (queries or hidden.shape[1]):], mask)
-    pools = -(-hidden.shape[1] // indexer.index_kpool)
+    scores, _, _ = pool_scores(indexer, hidden, hidden[:, hidden.shape[1] - (queries or hidden.shape[1]):], mask,
+                               origins=origins)
+    lead = 0 if origins is None else indexer.index_kpool - 1
+    pools = -(-(hidden.shape[1] + lead) // indexer.index_kpool)
     return F.pad(scores, (0, pools - scores.shape[-1]), value=float("-inf"))
 
 
@@ -187,14 +196,16 @@ class Distilled(Indexer):
         if not geometry.contiguous:
             raise ValueError("indexer=distilled: scores keys at positions 0 .. T-1 in order only (its keys are "
                              "the hidden states of the positions before each query)")
-        return self._scores(module, hidden, logits.shape[-2], logits.shape[-1])[..., :pools]
+        return self._scores(module, hidden, logits.shape[-2], logits.shape[-1], geometry.origins)[..., :pools]
 
-    def call_scores(self, *, module, hidden, query_pos, tk, pool):
-        return self._scores(module, hidden, len(query_pos), tk)
+    def call_scores(self, *, module, hidden, query_pos, tk, pool, origins=None):
+        return self._scores(module, hidden, len(query_pos), tk, origins)
 
-    def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int) -> torch.Tensor:
-        """(B, 1, Tq, ceil(Tk / pool)) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width)
-        `hidden` holds (the selection's hook joins a cached context's to the new positions')."""
+    def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int,
+                origins: torch.Tensor | None) -> torch.Tensor:
+        """(B, 1, Tq, pools) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width) `hidden`
+        holds (the selection's hook joins a cached context's to the new positions'), on the grid moved by the
+        per-row `origins` (B | 1, 1) when given."""
         if hidden is None or hidden.shape[1] != tk:
             raise ValueError("indexer=distilled: needs the hidden states of every key position (a cache made "
                              "without them, e.g. by another condition, cannot be continued)")
@@ -202,8 +213,12 @@ class Distilled(Indexer):
         if layer is None or not 0 <= layer < len(self.modules):
             raise ValueError(f"indexer=distilled: {self.directory} has {len(self.modules)} layers; the model's "
                              f"attention layer {layer} has no indexer")
+        if origins is not None and origins.shape[1] > 1:
+            raise ValueError("indexer=distilled: makes one selection for all heads: no per-KV-group grid "
+                             "(grid=stagger)")
+        rows = None if origins is None else origins[:, 0].expand(hidden.shape[0])
         with torch.no_grad():
-            return glm_pool_scores(self.modules[layer], hidden.float(), tq)[:, None]
+            return glm_pool_scores(self.modules[layer], hidden.float(), tq, rows)[:, None]
 
 
 def check_indexer(name: str, pool: int) -> None:
