@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from phasekv.adapters.selection import parse_selection
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("selection_origins", ROOT / "scripts" / "selection_origins.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("selection_origins")
 
 
 def test_each_prediction_lands_in_its_contexts_origin_and_phase(script):
