@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from phasekv.adapters.selection import is_selection, parse_selection
-from phasekv.evaluate.metrics import wilson_interval
+from phasekv.evaluate.metrics import summarize, wilson_interval
 from phasekv.evaluate.profiles import nan_interval, phase_bootstrap
 from phasekv.outputs import write_json
 
@@ -47,33 +47,35 @@ def paired(unfixed: list[dict], moved: list[dict], stride: int, n_boot: int = 20
             "gap_diff_ci_pp": gap_ci and [round(x, 2) for x in gap_ci]}
 
 
-def origin_curves(spec, eval_set, records: list[dict]) -> list[dict]:
-    """[{origin, phase, n, correct, accuracy, ci}] of one protocol's predictions (in `eval_set.queries()` order)."""
-    cells: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
-    origins = [int(spec.offsets(torch.tensor([c.ids]))[0]) for c in eval_set.contexts for _ in c.queries]
+def request_origins(spec, eval_set, records: list[dict]) -> list[int]:
+    """Each prediction's request origin (`eval_set.queries()` order: its context's draw); fails the join when the
+    predictions are of another prompt set."""
     queries = eval_set.queries()
     if len(records) != len(queries):
         raise ValueError(f"{len(records)} predictions for {len(queries)} prompts: another prompt set")
-    for record, query, origin in zip(records, queries, origins, strict=True):
-        if record["target_position"] != query.target_position:
-            raise ValueError("a prediction's target position is not the rebuilt prompt's: another prompt set")
-        cell = cells[(origin, query.target_position % spec.pool)]
+    if any(r["target_position"] != q.target_position for r, q in zip(records, queries, strict=True)):
+        raise ValueError("a prediction's target position is not the rebuilt prompt's: another prompt set")
+    return [int(spec.offsets(torch.tensor([c.ids]))[0]) for c in eval_set.contexts for _ in c.queries]
+
+
+def origin_curves(records: list[dict], origins: list[int], pool: int) -> list[dict]:
+    """[{origin, phase, n, correct, accuracy, ci}]: accuracy by drawn origin and phase (position mod P)."""
+    cells: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for record, origin in zip(records, origins, strict=True):
+        cell = cells[(origin, record["target_position"] % pool)]
         cell[0] += 1
         cell[1] += int(record["correct"])
     return [{"origin": o, "phase": p, "n": n, "correct": c, "accuracy": round(c / n, 4),
              "ci": [round(x, 4) for x in wilson_interval(c, n)]} for (o, p), (n, c) in sorted(cells.items())]
 
 
-def own_grid_curve(cells: list[dict], pool: int) -> list[dict]:
-    """[{phase, n, correct, accuracy, ci}] by the target's phase on its request's own moved grid, (phase + origin)
-    mod P, pooled over the origins: a weak phase that moves with the grid comes back here at full depth."""
-    pooled: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for c in cells:
-        own = pooled[(c["phase"] + c["origin"]) % pool]
-        own[0] += c["n"]
-        own[1] += c["correct"]
-    return [{"phase": p, "n": n, "correct": k, "accuracy": round(k / n, 4),
-             "ci": [round(x, 4) for x in wilson_interval(k, n)]} for p, (n, k) in sorted(pooled.items())]
+def own_grid_statistics(records: list[dict], origins: list[int], pool: int) -> dict:
+    """The audit's statistics (`phasekv.evaluate.metrics.summarize`) with each target's phase taken on its
+    request's own moved grid, (position + origin) mod P: a weak phase that moves with the grid comes back here."""
+    moved = [{**r, "target_position": r["target_position"] + o} for r, o in zip(records, origins, strict=True)]
+    m = summarize(moved, stride=pool, residue_modulus=pool)
+    return {"per_phase": [round(p["accuracy"], 4) for p in m["per_phase"]], "max_gap_pp": round(m["max_gap_pp"], 2),
+            "gap_ci_pp": [round(x, 2) for x in m["gap_ci_pp"]], "flatness_p": round(m["flatness_p"], 4)}
 
 
 def _predictions(run: Path, condition: str, protocol: str) -> list[dict]:
@@ -128,13 +130,12 @@ def main() -> None:
                                        stride=s["stride"], local_window=s["local_window"], seed=s["seed"])
                     vocab = FormatVocabulary(load_format(args.format, False), load_tokenizer(args.hf, args.gguf_file))
                     sets = audit_sets(vocab, cfg, tuple(s["protocols"]), s["prompts_per_phase"])
-                cells = origin_curves(spec, sets[protocol], records)
-                own = own_grid_curve(cells, spec.pool)
-                out[name][f"{protocol}_by_origin"], out[name][f"{protocol}_by_own_grid_phase"] = cells, own
+                origins = request_origins(spec, sets[protocol], records)
+                cells = origin_curves(records, origins, spec.pool)
+                own = own_grid_statistics(records, origins, spec.pool)
+                out[name][f"{protocol}_by_origin"], out[name][f"{protocol}_own_grid"] = cells, own
                 print("\n".join(_origin_table(name, protocol, spec.pool, cells)))
-                print("by the phase on the request's own grid: " + " / ".join(
-                    f"{100 * c['accuracy']:.0f} [{100 * c['ci'][0]:.0f}, {100 * c['ci'][1]:.0f}] ({c['n']})"
-                    for c in own))
+                print(f"by the phase on the request's own grid: {own}")
     write_json(Path(args.out), out)
 
 

@@ -24,16 +24,17 @@ def test_each_prediction_lands_in_its_contexts_origin_and_phase(script):
     spec = parse_selection("kpool:pool=4,top=2,local=4,grid=jitter")
     eval_set = build_eval_set(Vocabulary(), "prefix", n_records=24, n_demos=1, stride=4, residue_modulus=4, seed=0)
     origins = [int(spec.offsets(torch.tensor([c.ids]))[0]) for c in eval_set.contexts for _ in c.queries]
-    records = [{"target_position": q.target_position, "correct": (o + q.target_position) % 2 == 1}
+    records = [{"target_position": q.target_position, "cluster": q.cluster, "correct": (o + q.target_position) % 2 == 1}
                for q, o in zip(eval_set.queries(), origins, strict=True)]
-    cells = script.origin_curves(spec, eval_set, records)
+    assert script.request_origins(spec, eval_set, records) == origins
+    cells = script.origin_curves(records, origins, 4)
     assert sum(c["n"] for c in cells) == len(records) and len({c["origin"] for c in cells}) > 1
     assert all(c["accuracy"] == float((c["origin"] + c["phase"]) % 2) for c in cells)
-    own = script.own_grid_curve(cells, 4)  # correct exactly at the odd phases of the request's own grid
-    assert [c["accuracy"] for c in own] == [0.0, 1.0, 0.0, 1.0] and sum(c["n"] for c in own) == len(records)
+    own = script.own_grid_statistics(records, origins, 4)  # correct exactly at the odd phases of the own grid
+    assert own["per_phase"] == [0.0, 1.0, 0.0, 1.0] and own["max_gap_pp"] == 100.0 and own["flatness_p"] < 0.01
     records[3] = {**records[3], "target_position": records[3]["target_position"] + 1}
     with pytest.raises(ValueError, match="another prompt set"):
-        script.origin_curves(spec, eval_set, records)
+        script.request_origins(spec, eval_set, records)
 
 
 def test_the_paired_differences_are_the_plain_ones_with_intervals_around_them(script):
