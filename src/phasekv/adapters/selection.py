@@ -16,13 +16,13 @@ MiniMax-M3's key blocks).  In every layer, each query at position t attends exac
 context is attended through selection.  `heads=shared` makes one selection per query for all heads (GLM-5.3's
 indexer sums its heads into one score), `heads=kv` one per KV head group (MiniMax-M3).  Phase = position mod P.
 
-`grid` moves the pools (the training-free fixes of docs/fixes.md, "Pooled selection"): `fixed` is the grid above;
-`stagger` gives KV group g of G the origin o_g = round(g P / G) (`heads=kv` only), `jitter` every request one
-origin o in [0, P), drawn from `seed` and the request's tokens (its context, which its queries continue; a whole
-prompt when there is no split), the same in every layer.  With origin o pool j holds positions jP - o ..
-jP - o + P - 1: pool 0 is the partial 0 .. P - 1 - o, a pool like any other; candidates are complete on the moved
-grid (last position <= t) and not wholly in the tail or the sink, and K(t) is unchanged, so the budget is too.
-The audit's phase stays position mod P of the fixed grid: what a fix has to flatten.
+`grid` moves the pools (the training-free fixes of docs/fixes.md, "Pooled selection: moved pool grids"): `fixed`
+is the grid above; `stagger` gives KV group g of G the origin o_g = round(g P / G) (`heads=kv` only), `jitter`
+every request one origin o in [0, P), drawn from `seed` and the request's tokens (its context, which its queries
+continue; a whole prompt when there is no split), the same in every layer.  With origin o pool j holds positions
+jP - o .. jP - o + P - 1: pool 0 is the partial 0 .. P - 1 - o, a pool like any other; candidates are complete on
+the moved grid (last position <= t) and not wholly in the tail or the sink, and K(t) is unchanged, so the budget
+is too.  The audit's phase stays position mod P of the fixed grid: what a fix has to flatten.
 
 Indexers (`phasekv.adapters.indexers`): `oracle` (the pools holding the most dense attention mass of that query:
 the ideal indexer), `mean` (the query against the pool's mean key: a pooled-key indexer), `max` (the pool's
