@@ -8,13 +8,14 @@ in blocks, gives each block only the keys up to its last query (the causal bound
 prefill), scores the pools, selects, and attends with one masked softmax, so no (B, H, Tq, Tk) tensor and no copy
 of the keys per query head is ever made (the query heads of a KV group are stacked along the query axis).
 `whole_attention` serves any other call (keys over a cache with packed queries) at once.
+`reference_attention` loops over queries, lists the candidates by hand, selects pools by sorting and attends to
+the gathered keys only; tests/test_selection.py compares all three.
 
 Moved grids (`grid=stagger|jitter`): `Geometry.origins` (B | 1, G | 1) moves the pools of each row (a request)
 and selection group by o: pool j holds positions jP - o .. jP - o + P - 1 (the pool id of position s is
 (s + o) // P; pool 0 is the partial 0 .. P - 1 - o when o > 0, a pool like any other).  Pools are then no slices
-of the key axis: the masks gather each key's pool and the indexers pool by scatter (`Geometry.slices`).
-`reference_attention` loops over queries, lists the candidates by hand, selects pools by sorting and attends to
-the gathered keys only; tests/test_selection.py compares all three.
+of the key axis: the masks gather each key's pool and the indexers pool by scatter (`Geometry.slices`);
+tests/test_selection_grids.py compares them with the reference on every grid.
 
 Layout: attention tensors are (B, H, T, D) as in transformers; pool scores are (B, G, Tq, pools) with G = 1
 (shared) or H_kv (kv).  `spec` is a `phasekv.adapters.selection.SelectionSpec`; `indexer` a
