@@ -134,3 +134,11 @@ class PromptAdapter(Adapter):
 
     def continue_from(self, cache, ids, repeats):
         return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -66,6 +66,10 @@ def test_a_trained_minimax_indexer_saves_loads_and_needs_heads_kv(tmp_path):
         sel.parse_selection(f"kpool:pool=4,top=2,local=4,indexer=distilled:{tmp_path}")
     assert "\n" not in str(caught.value)
     assert sel.parse_selection(f"kpool:pool=4,top=2,local=4,heads=kv,indexer=distilled:{tmp_path}").heads == "kv"
+    with pytest.raises(ValueError, match="blocks start at position 0: grid=jitter is not supported"):
+        sel.parse_selection(f"kpool:pool=4,top=2,local=4,heads=kv,grid=jitter,indexer=distilled:{tmp_path}")
+    with pytest.raises(ValueError, match="no moved grid"):  # the scorer refuses too, should a spec slip through
+        ix.indexer_pool_scores(loaded.modules[0], torch.zeros(1, 8, 256), origins=torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="one indexer head per KV group: heads must be 2, got 3"):
         train_indexer(model, Characters(), tmp_path / "other", IndexerTraining(kind="minimax", heads=3, length=48),
                       model_name="tiny", progress=False)

@@ -26,9 +26,9 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def _fast(spec, indexer, q, k, v, hidden=None):
+def _fast(spec, indexer, q, k, v, hidden=None, offsets=None):
     module = _Layer()
-    state = sel.SelectionState(spec, indexer)
+    state = sel.SelectionState(spec, indexer, offsets=offsets)
     if hidden is not None:
         state.hidden[id(module)] = hidden
     sel._ACTIVE[id(module)] = state

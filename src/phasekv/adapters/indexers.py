@@ -17,6 +17,12 @@ input hidden states.  Scores of pools with no visible key are -inf.
                  residual is the same hidden state, a dense model has no query LoRA; one selection for all heads)
                  or `MiniMaxM3VLIndexer` (minimax_m3_block: its per-key scores, RoPE'd at the key positions,
                  max-pooled into blocks of `pool` keys from position 0; one selection per KV group, heads=kv)
+
+On a moved grid (`grid=stagger|jitter`, `Geometry.origins`) oracle, mean and max pool each key into its moved pool
+(the scatter path); a distilled GLM-5.3 indexer pools the hidden states over each request's moved pools with the
+real module's `get_pooled_states` (jitter; `phasekv.archs.glm5_next.pool_scores`) and makes one selection for all
+heads, so it has no per-group grid (stagger is refused); a distilled MiniMax-M3 indexer pools from position 0 only
+(both are refused).
 """
 
 from __future__ import annotations
@@ -82,11 +88,11 @@ def pool_reduce_fast(values: torch.Tensor, visible: torch.Tensor | None, pool: i
 
 
 def pooled(values: torch.Tensor, geometry: Any, pool: int, pools: int, how: str) -> torch.Tensor:
-    """values (B, H, Tq, Tk) reduced per pool of the call's keys: the reshape when the keys sit at 0 .. Tk - 1,
-    the scatter otherwise (keys over a cache with packed queries)."""
-    if geometry.contiguous:
+    """values (B, H, Tq, Tk) reduced per pool of the call's keys: the reshape when the keys sit at 0 .. Tk - 1 on
+    the grid at 0, the scatter otherwise (keys over a cache with packed queries, or a moved grid)."""
+    if geometry.slices:
         return pool_reduce_fast(values, geometry.visible, pool, pools, how)
-    return pool_reduce(values, geometry.key_pool(pool), pools, geometry.visible, how)
+    return pool_reduce(values, geometry.key_pool(pool, values.shape[1]), pools, geometry.visible, how)
 
 
 def group_heads(scores: torch.Tensor, groups: int) -> torch.Tensor:
@@ -108,7 +114,7 @@ class Indexer:
         raise NotImplementedError
 
     def call_scores(self, *, module: nn.Module, hidden: torch.Tensor | None, query_pos: torch.Tensor, tk: int,
-                    pool: int) -> torch.Tensor | None:
+                    pool: int, origins: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pool scores (B, G, Tq, pools) of a whole call at once, for an indexer that does not read the dense
         logits (the block-wise attention then slices them); None: score each block from its logits."""
         return None
@@ -123,7 +129,7 @@ class Oracle(Indexer):
 
     def pool_scores(self, *, module, logits, geometry, spec, pools, kv_heads, hidden):
         probs = logits.float().masked_fill(~geometry.visible, float("-inf")).softmax(-1)  # dense attention
-        if geometry.contiguous:  # probs are 0 wherever the query does not see the key: nothing to mask again
+        if geometry.slices:  # probs are 0 wherever the query does not see the key: nothing to mask again
             mass = pool_reduce_fast(probs, None, spec.pool, pools, "sum")
         else:
             mass = pooled(probs, geometry, spec.pool, pools, "sum")
@@ -164,15 +170,19 @@ def build_glm_indexers(hidden_size: int, layers: int, pool: int, heads: int, hea
     return nn.ModuleList(Glm5NextTextIndexer(config, i) for i in range(layers))
 
 
-def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+def glm_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None,
+                    origins: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, hidden) -> (B, Tq, ceil(T / pool)) scores of the real module's pools (from position 0) for the last
     Tq = `queries` positions (default all T), with grad; the module leaves out a trailing incomplete pool (never a
-    candidate), which comes back here as -inf."""
+    candidate), which comes back here as -inf.  `origins` (B,): each row's pools moved by its origin o (pool j:
+    positions jP - o .. jP - o + P - 1), ceil((T + P - 1) / pool) of them."""
     from phasekv.archs.glm5_next import pool_scores
 
     mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-    scores, _, _ = pool_scores(indexer, hidden, hidden[:, hidden.shape[1] - (queries or hidden.shape[1]):], mask)
-    pools = -(-hidden.shape[1] // indexer.index_kpool)
+    scores, _, _ = pool_scores(indexer, hidden, hidden[:, hidden.shape[1] - (queries or hidden.shape[1]):], mask,
+                               origins=origins)
+    lead = 0 if origins is None else indexer.index_kpool - 1
+    pools = -(-(hidden.shape[1] + lead) // indexer.index_kpool)
     return F.pad(scores, (0, pools - scores.shape[-1]), value=float("-inf"))
 
 
@@ -211,14 +221,19 @@ def minimax_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int |
     return block_scores(indexer, hidden, cos_sin, position_ids)[:, :, t - (queries or t):]
 
 
-def indexer_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None) -> torch.Tensor:
+def indexer_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None,
+                        origins: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, hidden) -> (B, G, Tq, pools) pool scores of either kind's module, with grad: G = 1 for GLM-5.3's
-    (its heads weighted into one score), G = its heads (one per KV group) for MiniMax-M3's."""
+    (its heads weighted into one score), G = its heads (one per KV group) for MiniMax-M3's.  `origins` (B,): each
+    row's pools moved (`glm_pool_scores`); MiniMax-M3's blocks start at position 0 only."""
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
 
     if isinstance(indexer, MiniMaxM3VLIndexer):
+        if origins is not None:
+            raise ValueError("indexer=distilled: a MiniMax-M3 indexer max-pools its blocks from position 0: no moved "
+                             "grid (use grid=fixed)")
         return minimax_pool_scores(indexer, hidden, queries)
-    return glm_pool_scores(indexer, hidden, queries)[:, None]
+    return glm_pool_scores(indexer, hidden, queries, origins)[:, None]
 
 
 def build_indexers(config: dict[str, Any], seed: int = 0) -> nn.ModuleList:
@@ -246,18 +261,20 @@ class Distilled(Indexer):
         if not geometry.contiguous:
             raise ValueError("indexer=distilled: scores keys at positions 0 .. T-1 in order only (its keys are "
                              "the hidden states of the positions before each query)")
-        scores = self._scores(module, hidden, logits.shape[-2], logits.shape[-1])[..., :pools]
+        scores = self._scores(module, hidden, logits.shape[-2], logits.shape[-1], geometry.origins)[..., :pools]
         if scores.shape[1] not in (1, kv_heads):
             raise ValueError(f"indexer=distilled: {self.directory} has {scores.shape[1]} selection groups; the "
                              f"model has {kv_heads} KV heads")
         return scores
 
-    def call_scores(self, *, module, hidden, query_pos, tk, pool):
-        return self._scores(module, hidden, len(query_pos), tk)
+    def call_scores(self, *, module, hidden, query_pos, tk, pool, origins=None):
+        return self._scores(module, hidden, len(query_pos), tk, origins)
 
-    def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int) -> torch.Tensor:
-        """(B, G, Tq, ceil(Tk / pool)) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width)
-        `hidden` holds (the selection's hook joins a cached context's to the new positions')."""
+    def _scores(self, module: nn.Module, hidden: torch.Tensor | None, tq: int, tk: int,
+                origins: torch.Tensor | None) -> torch.Tensor:
+        """(B, G, Tq, pools) scores of the last Tq of Tk positions, whose hidden states (B, Tk, width) `hidden`
+        holds (the selection's hook joins a cached context's to the new positions'), on the grid moved by the
+        per-row `origins` (B | 1, 1) when given (GLM-5.3 kind only)."""
         if hidden is None or hidden.shape[1] != tk:
             raise ValueError("indexer=distilled: needs the hidden states of every key position (a cache made "
                              "without them, e.g. by another condition, cannot be continued)")
@@ -265,13 +282,17 @@ class Distilled(Indexer):
         if layer is None or not 0 <= layer < len(self.modules):
             raise ValueError(f"indexer=distilled: {self.directory} has {len(self.modules)} layers; the model's "
                              f"attention layer {layer} has no indexer")
+        if origins is not None and origins.shape[1] > 1:
+            raise ValueError("indexer=distilled: no per-KV-group grid (grid=stagger) for a distilled indexer")
+        rows = None if origins is None else origins[:, 0].expand(hidden.shape[0])
         with torch.no_grad():
-            return indexer_pool_scores(self.modules[layer], hidden.float(), tq)
+            return indexer_pool_scores(self.modules[layer], hidden.float(), tq, rows)
 
 
-def check_indexer(name: str, pool: int, heads: str = "shared") -> None:
+def check_indexer(name: str, pool: int, heads: str = "shared", grid: str = "fixed") -> None:
     """One-line ValueError for an unknown indexer, or a distilled one trained for another pool size, or a
-    MiniMax-M3 one (a selection per KV group) asked for one selection shared by all heads."""
+    MiniMax-M3 one (a selection per KV group, blocks from position 0) asked for one selection shared by all heads
+    or for a moved grid."""
     if name in ("oracle", "mean", "max"):
         return
     if not name.startswith("distilled:"):
@@ -287,6 +308,9 @@ def check_indexer(name: str, pool: int, heads: str = "shared") -> None:
     if config.get("kind") == MINIMAX_KIND and heads != "kv":
         raise ValueError(f"kpool: indexer={name} is a MiniMax-M3 indexer (one selection per KV group): it needs "
                          f"heads=kv, not heads={heads}")
+    if config.get("kind") == MINIMAX_KIND and grid != "fixed":
+        raise ValueError(f"kpool: indexer={name} is a MiniMax-M3 indexer, whose blocks start at position 0: "
+                         f"grid={grid} is not supported (use grid=fixed)")
 
 
 def make_indexer(name: str) -> Indexer:

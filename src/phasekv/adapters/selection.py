@@ -2,9 +2,9 @@
 block selection as an audit condition (docs/science.md, "pooled selection").
 
 Condition grammar (one string): `kpool:pool=P,top=K[,budget=F][,local=L][,sink=N][,heads=shared|kv]
-[,indexer=NAME]`.  Keys are cut into pools of P consecutive positions starting at position 0 (pool j holds
-positions jP .. jP + P - 1, the grid of GLM-5.3's `get_pooled_states` and MiniMax-M3's key blocks).  In every
-layer, each query at position t attends exactly to
+[,indexer=NAME][,grid=fixed|stagger|jitter][,seed=S]`.  Keys are cut into pools of P consecutive positions
+starting at position 0 (pool j holds positions jP .. jP + P - 1, the grid of GLM-5.3's `get_pooled_states` and
+MiniMax-M3's key blocks).  In every layer, each query at position t attends exactly to
 
   - the keys of the K pools its indexer scores highest among the candidate pools: pools that are complete
     (their last position <= t) and not wholly inside the local tail or the sink;
@@ -15,6 +15,14 @@ layer, each query at position t attends exactly to
 `budget=F` replaces the fixed K by K(t) = max(1, round(F * (t + 1) / P)): a fraction F of each query's
 context is attended through selection.  `heads=shared` makes one selection per query for all heads (GLM-5.3's
 indexer sums its heads into one score), `heads=kv` one per KV head group (MiniMax-M3).  Phase = position mod P.
+
+`grid` moves the pools (the training-free fixes of docs/fixes.md, "Pooled selection: moved pool grids"): `fixed`
+is the grid above; `stagger` gives KV group g of G the origin o_g = round(g P / G) (`heads=kv` only), `jitter`
+every request one origin o in [0, P), drawn from `seed` and the request's tokens (its context, which its queries
+continue; a whole prompt when there is no split), the same in every layer.  With origin o pool j holds positions
+jP - o .. jP - o + P - 1: pool 0 is the partial 0 .. P - 1 - o, a pool like any other; candidates are complete on
+the moved grid (last position <= t) and not wholly in the tail or the sink, and K(t) is unchanged, so the budget
+is too.  The audit's phase stays position mod P of the fixed grid: what a fix has to flatten.
 
 Indexers (`phasekv.adapters.indexers`): `oracle` (the pools holding the most dense attention mass of that query:
 the ideal indexer), `mean` (the query against the pool's mean key: a pooled-key indexer), `max` (the pool's
@@ -37,6 +45,7 @@ Layout: attention tensors are (B, H, T, D) as in transformers; pool scores are (
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -53,6 +62,7 @@ from phasekv.adapters.selection_kernel import (  # noqa: F401  (Geometry .. refe
     call_geometry,
     candidate_pools,
     chunked_attention,
+    grid_origins,
     in_order,
     positions,
     reference_attention,
@@ -63,6 +73,7 @@ from phasekv.adapters.selection_kernel import (  # noqa: F401  (Geometry .. refe
 
 ATTENTION_NAME = "phasekv_selection"
 HEAD_MODES = ("shared", "kv")
+GRIDS = ("fixed", "stagger", "jitter")
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,8 @@ class SelectionSpec:
     sink: int = 1
     heads: str = "shared"
     indexer: str = "oracle"
+    grid: str = "fixed"
+    seed: int = 0  # grid=jitter: the draws' seed
 
     def __post_init__(self) -> None:
         if self.pool < 1:
@@ -91,15 +104,29 @@ class SelectionSpec:
             raise ValueError(f"kpool: sink={self.sink}: must be >= 0")
         if self.heads not in HEAD_MODES:
             raise ValueError(f"kpool: heads={self.heads!r}: allowed {', '.join(HEAD_MODES)}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"kpool: grid={self.grid!r}: allowed {', '.join(GRIDS)}")
+        if self.grid == "stagger" and (self.heads != "kv" or self.indexer.startswith("distilled:")):
+            raise ValueError("kpool: grid=stagger moves each KV group's pools: needs heads=kv and an indexer that "
+                             "scores per group (oracle, mean, max)")
         from phasekv.adapters.indexers import check_indexer
 
-        check_indexer(self.indexer, self.pool, self.heads)
+        check_indexer(self.indexer, self.pool, self.heads, self.grid)
 
     @property
     def name(self) -> str:
         size = f"top={self.top}" if self.top else f"budget={self.budget:g}"
+        grid = "" if self.grid == "fixed" else f",grid={self.grid}" + (f",seed={self.seed}" if self.seed else "")
         return (f"kpool:pool={self.pool},{size},local={self.local},sink={self.sink},heads={self.heads},"
-                f"indexer={self.indexer}")
+                f"indexer={self.indexer}{grid}")
+
+    def offsets(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """grid=jitter: each request's origin (B,) from `seed` and its tokens ids (B, T); None for other grids."""
+        if self.grid != "jitter":
+            return None
+        draws = [hashlib.blake2b(row.numpy().astype("<i8").tobytes(), digest_size=8, key=str(self.seed).encode())
+                 for row in ids.cpu()]
+        return torch.tensor([int.from_bytes(h.digest(), "little") % self.pool for h in draws])
 
     def pools_per_query(self, positions: torch.Tensor) -> torch.Tensor:
         """K for queries at `positions` (Tq,): the fixed top, or the budget's share of each context."""
@@ -108,7 +135,7 @@ class SelectionSpec:
         return ((self.budget * (positions + 1).double() / self.pool).round().long()).clamp(min=1)
 
 
-_KEYS = ("pool", "top", "budget", "local", "sink", "heads", "indexer")
+_KEYS = ("pool", "top", "budget", "local", "sink", "heads", "indexer", "grid", "seed")
 
 
 def parse_selection(text: str) -> SelectionSpec:
@@ -116,11 +143,12 @@ def parse_selection(text: str) -> SelectionSpec:
     head, _, body = text.partition(":")
     if head != "kpool" or not body:
         raise ValueError(f"selection {text!r}: expected kpool:pool=P,top=K[,budget=F][,local=L][,sink=N]"
-                         "[,heads=shared|kv][,indexer=oracle|mean|max|distilled:DIR]")
+                         "[,heads=shared|kv][,indexer=oracle|mean|max|distilled:DIR][,grid=fixed|stagger|jitter]")
     fields: dict[str, Any] = {}
     for key, value in spec_fields(text, body.split(","), what="selection", keys=_KEYS).items():
         try:
-            fields[key] = float(value) if key == "budget" else value if key in ("heads", "indexer") else int(value)
+            fields[key] = float(value) if key == "budget" else value if key in ("heads", "indexer", "grid") \
+                else int(value)
         except ValueError:
             raise ValueError(f"selection {text!r}: {key}={value!r} is not a number") from None
     if "pool" not in fields:
@@ -141,6 +169,7 @@ class SelectionState:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # id(attention module) -> its input hidden states
     context: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> a cached context's hidden states
     record: bool = False  # keep each layer's selection at the last query position (selection statistics)
+    offsets: torch.Tensor | None = None  # grid=jitter: each row's origin (B,) (`SelectionSpec.offsets`)
     recorded: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
@@ -158,13 +187,16 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     hidden = state.hidden.pop(id(module), None) if state.context else state.hidden.get(id(module))
     record = state.recorded if state.record else None
     query_pos, key_pos = positions(query, key, kwargs.get("position_ids"))
+    origins = grid_origins(state.spec, state.offsets, key.shape[1])
+    if origins is not None:
+        origins = origins.to(query.device)
     if in_order(key_pos):
         out = chunked_attention(state.spec, state.indexer, module, query, key, value, attention_mask=attention_mask,
-                                query_pos=query_pos, scaling=scaling, hidden=hidden, record=record)
+                                query_pos=query_pos, scaling=scaling, hidden=hidden, record=record, origins=origins)
     else:
+        geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
         out = whole_attention(state.spec, state.indexer, module, query, key, value, scaling=scaling, hidden=hidden,
-                              geometry=call_geometry(query, key, attention_mask, kwargs.get("position_ids")),
-                              record=record)
+                              geometry=replace(geometry, origins=origins), record=record)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -189,11 +221,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def selecting(model: nn.Module, spec: SelectionSpec, indexer: Any, record: bool = False) -> Iterator[SelectionState]:
-    """While active, every attention layer of `model` runs under `spec` with `indexer`; the model's attention
-    implementation, and every hook added here, are restored on exit, whatever happens."""
+def selecting(model: nn.Module, spec: SelectionSpec, indexer: Any, record: bool = False,
+              offsets: torch.Tensor | None = None) -> Iterator[SelectionState]:
+    """While active, every attention layer of `model` runs under `spec` with `indexer` (and, for grid=jitter, the
+    rows' origins `offsets` (B,)); the model's attention implementation, and every hook added here, are restored
+    on exit, whatever happens."""
     _register()
-    state = SelectionState(spec, indexer, record=record)
+    state = SelectionState(spec, indexer, record=record, offsets=offsets)
     configs = {id(c): (c, c._attn_implementation) for c in _configs(model)}
     handles, modules = [], attention_modules(model)
     try:
@@ -276,7 +310,9 @@ class SelectionAdapter(Wrapped):
                              "prompts)")
         self.attended = attended_fraction(self.spec, length)
 
-    def _forward(self, ids: torch.Tensor, keep: int, record: bool = False):
+    def _forward(self, ids: torch.Tensor, keep: int, record: bool = False, offsets: torch.Tensor | None = None):
+        """The last `keep` positions' logits (0: all) of one selected forward of the prompts `ids`, each its own
+        request (jitter: origins drawn from the whole prompt unless `offsets` gives them)."""
         from phasekv.adapters.hf import forward_bytes
         from phasekv.memory import check_budget
 
@@ -284,7 +320,8 @@ class SelectionAdapter(Wrapped):
         need = forward_bytes(self.module.config, ids.shape[1], ids.shape[0], torch.finfo(dtype).bits // 8, True)
         check_budget(need, f"context: a selection forward of {ids.shape[0]} x {ids.shape[1]} tokens",
                      device=self.device, advice="lower --batch-size")
-        with torch.no_grad(), selecting(self.module, self.spec, self.indexer, record=record) as state:
+        offsets = self.spec.offsets(ids) if offsets is None else offsets
+        with torch.no_grad(), selecting(self.module, self.spec, self.indexer, record=record, offsets=offsets) as state:
             logits = self.module(input_ids=ids.to(self.device), use_cache=False, logits_to_keep=keep).logits
         return (logits, state.recorded) if record else logits
 
@@ -296,17 +333,20 @@ class SelectionAdapter(Wrapped):
 
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
         """The inner adapter's cache of the contexts, prefilled under selection; for an indexer that reads hidden
-        states, with each layer's input hidden states of the contexts beside it."""
-        with selecting(self.module, self.spec, self.indexer) as state:
+        states, with each layer's input hidden states of the contexts beside it; for grid=jitter, with each
+        context's origin (a context is one request: its queries continue it on its grid)."""
+        offsets = self.spec.offsets(ids)
+        with selecting(self.module, self.spec, self.indexer, offsets=offsets) as state:
             cache = self.inner.prefill(ids)
-        return cache, (dict(state.hidden) if self.indexer.needs_hidden else {})
+        return cache, (dict(state.hidden) if self.indexer.needs_hidden else {}), offsets
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         """(B * n, t) query ids after B contexts -> (B * n, t, V) logits of the whole prompts' query positions, from
         copies of the contexts' cache (and hidden states) under selection: causal selection makes this the whole
         prompts' forward."""
-        inner_cache, hidden = cache
-        with selecting(self.module, self.spec, self.indexer) as state:
+        inner_cache, hidden, offsets = cache
+        offsets = None if offsets is None else offsets.repeat_interleave(repeats)
+        with selecting(self.module, self.spec, self.indexer, offsets=offsets) as state:
             state.context = {m: h.repeat_interleave(repeats, 0) for m, h in hidden.items()}
             return self.inner.continue_by_copies(inner_cache, ids, repeats)
 
@@ -321,15 +361,29 @@ class SelectionAdapter(Wrapped):
 # ----------------------------------------------------------------------------- the mechanism, by phase
 
 
-def _pool_attended(record: dict[str, torch.Tensor], row: int, pool: int, position: int, spec) -> tuple[float, float]:
-    """(share of groups whose selection holds `pool`, attention mass on the pool's keys, heads averaged) of one
-    layer at the last query, for a key at `position` (a key in the local tail or the sink counts as held)."""
+def _pool_attended(record: dict[str, torch.Tensor], row: int, position: int, spec) -> tuple[float, float]:
+    """(share of groups whose selection holds the pool of `position`, attention mass on that pool's keys, heads
+    averaged) of one layer at the last query, the pool taken on each group's grid (moved by the call's origins);
+    a key in the local tail or the sink counts as held."""
     query = int(record["query_pos"])
     fixed = position < spec.sink or query - position < spec.local
-    chosen = 1.0 if fixed else float(record["selected"][row, :, pool].float().mean())
-    keys = (record["key_pos"] // spec.pool) == pool
-    mass = float(record["probs"][row][:, keys].sum(-1).mean())
+    selected, probs = record["selected"][row], record["probs"][row]  # (G, pools), (H, Tk)
+    origins = record["origins"]
+    o = torch.zeros(1, dtype=torch.long) if origins is None else origins[min(row, origins.shape[0] - 1)].cpu()
+    pool = (position + o.expand(selected.shape[0])) // spec.pool  # (G,)
+    chosen = 1.0 if fixed else float(selected.gather(-1, pool[:, None].to(selected.device)).float().mean())
+    per_head = o.repeat_interleave(probs.shape[0] // len(o)).to(probs.device)  # (H,)
+    keys = (record["key_pos"][None] + per_head[:, None]) // spec.pool == ((position + per_head) // spec.pool)[:, None]
+    mass = float(torch.where(keys, probs, 0.0).sum(-1).mean())
     return chosen, mass
+
+
+def _request_offsets(spec: SelectionSpec, batch: list) -> torch.Tensor | None:
+    """grid=jitter: the origins the evaluation gave these (prompt, query) pairs: drawn from each prompt's context
+    (its tokens before the query's), the request the runner prefills."""
+    if spec.grid != "jitter":
+        return None
+    return torch.cat([spec.offsets(torch.tensor([p.ids[:len(p.ids) - len(q.key)]])) for p, q in batch])
 
 
 def selection_mechanism(adapter: SelectionAdapter, eval_set, per_phase: int = 4, batch_size: int = 8,
@@ -355,13 +409,13 @@ def selection_mechanism(adapter: SelectionAdapter, eval_set, per_phase: int = 4,
         for group in by_length.values():
             for start in range(0, len(group), batch_size):
                 batch = group[start:start + batch_size]
-                _, recorded = adapter._forward(torch.tensor([p.ids for p, _ in batch]), 1, record=True)
+                ids = torch.tensor([p.ids for p, _ in batch])
+                _, recorded = adapter._forward(ids, 1, record=True, offsets=_request_offsets(spec, batch))
                 last = int(recorded[0]["query_pos"])
                 for row, (_, q) in enumerate(batch):
                     answer = q.target_position + len(q.key)
-                    target = [_pool_attended(r, row, q.target_position // spec.pool, q.target_position, spec)
-                              for r in recorded]
-                    ans = [_pool_attended(r, row, answer // spec.pool, answer, spec) for r in recorded]
+                    target = [_pool_attended(r, row, q.target_position, spec) for r in recorded]
+                    ans = [_pool_attended(r, row, answer, spec) for r in recorded]
                     rows[q.target_position % spec.pool].append({
                         "target_selected": sum(c for c, _ in target) / len(target),
                         "answer_selected": sum(c for c, _ in ans) / len(ans),

@@ -22,24 +22,42 @@ from torch import nn
 from phasekv.archs.base import Architecture, CompressionGeometry, IndexerKind, argument, register, selected_mask
 
 
-def pool_scores(indexer, hidden: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor):
+def pool_scores(indexer, hidden: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor,
+                origins: torch.Tensor | None = None):
     """Glm5NextTextIndexer.forward's pool scores, with grad (no cache): (scores (B, Sq, P), candidates (B, Sq, P)
     bool: complete pools whose last token the query sees, pool token indices (B, P, kpool)).  The queries are the
-    last Sq = q_resid.shape[1] of the S positions of `hidden` (all of them in a whole forward)."""
+    last Sq = q_resid.shape[1] of the S positions of `hidden` (all of them in a whole forward).  `origins` (B,):
+    each row's pools moved by o (`lead_slots`); candidates and indices then count the kpool - 1 lead slots."""
     b, s, _ = hidden.shape
     sq = q_resid.shape[1]
     q = indexer.wq_b(q_resid).view(b, sq, -1, indexer.head_dim)  # (B, Sq, H, D)
     k = indexer.k_norm(indexer.wk(hidden))  # (B, S, D)
     gate = F.linear(hidden, indexer.index_kpool_compress_gate)  # (B, S, D)
     packed = torch.cat([k, gate, mask.to(k.dtype)[..., None]], dim=-1)
+    if origins is not None:
+        packed = lead_slots(packed, origins, indexer.index_kpool)
+        mask, s = packed[..., -1].bool(), packed.shape[1]
     pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed_states=packed)
     scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hidden[:, s - sq:]).float() * indexer.n_heads ** -0.5  # (B, Sq, H)
+    weights = indexer.weights_proj(hidden[:, hidden.shape[1] - sq:]).float() * indexer.n_heads ** -0.5  # (B, Sq, H)
     scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, Sq, P)
     visible = indexer.get_visible_tokens(valid_keys=mask.bool(), q_length=sq, current_length=s)  # (B, Sq, S)
     ends = pool_indices[..., -1].clamp(0, s - 1)  # (B, P)
     candidates = visible.gather(-1, ends[:, None, :].expand(b, sq, -1)) & pool_valid[:, None]
     return scores, candidates, pool_indices
+
+
+def lead_slots(packed: torch.Tensor, origins: torch.Tensor, pool: int) -> torch.Tensor:
+    """Packed indexer states (B, S, 2D + 1: keys, gate scores, valid) -> (B, pool - 1 + S, 2D + 1): ahead of
+    position 0, pool - 1 - o invalid slots then o weightless valid ones (key 0, gate -inf) for each row's origin o
+    (0 <= o < pool).  `get_pooled_states` starts its pools at the first valid slot, so its pool j holds positions
+    jP - o .. jP - o + P - 1 (pool 0 the partial 0 .. P - 1 - o, pooled over its real positions only: the
+    weightless slots get softmax weight 0)."""
+    b, _, width = packed.shape
+    lead = packed.new_zeros(b, pool - 1, width)
+    lead[..., (width - 1) // 2:-1] = float("-inf")
+    lead[..., -1] = (torch.arange(pool - 1, device=packed.device)[None] >= pool - 1 - origins[:, None]).to(lead.dtype)
+    return torch.cat([lead, packed], dim=1)
 
 
 def _record(indexer, args, kwargs, output, _scores):

@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compress", nargs="+", default=None, metavar="COND",
                    help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
                         "sink); kpool:pool=P,top=K|budget=F[,local=L,sink=N,heads=shared|kv,indexer=oracle|mean|max|"
-                        "distilled:DIR] (query-dependent pooled selection); slices:kind=contiguous|interleaved[,size=L,"
+                        "distilled:DIR,grid=fixed|stagger|jitter,seed=S] (query-dependent pooled selection); "
+                        "slices:kind=contiguous|interleaved[,size=L,"
                         "shift=fixed|layer|random,group=kv|query,local=N,sink=N] (head-partitioned history); "
                         "stagger:select:r, jitter:select:r (post-hoc grid per KV head / per request); "
                         "default: " + " ".join(HF_CONDITIONS) +
