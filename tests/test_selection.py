@@ -2,6 +2,7 @@
 (in phasekv.adapters.selection) and the distilled indexer (phasekv.train_indexer), on tiny transformers models."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from phasekv.adapters import indexers as ix
 from phasekv.adapters import selection as sel
 from phasekv.adapters import selection_kernel as sel_kernel
 from phasekv.adapters.hf import HFAdapter
-from tests.helpers import tiny_causal_lm
+from tests.helpers import SMOL, SMOL_FILE, needs_real_model, tiny_causal_lm
 
 SPECS = ["kpool:pool=4,top=2,local=4,sink=1", "kpool:pool=2,budget=0.3,local=4,sink=0",
          "kpool:pool=1,top=5,local=2,sink=2", "kpool:pool=8,top=1,local=8,sink=1"]
@@ -416,3 +417,33 @@ def test_the_mean_indexer_scores_glm5s_own_pooled_keys():
     chosen = sel.select_pools(spec, mine[None, None], complete, geometry.query_pos)[0, 0]  # (T, pools)
     for s in range(3 * pool, t):  # queries with at least the three complete pools they select
         assert set(chosen[s].nonzero().flatten().tolist()) == {int(x) // pool for x in tokens[0, s] if x >= 0}, s
+
+
+@pytest.mark.slow
+@needs_real_model
+def test_the_bundled_indexers_rank_smollm2s_pools_as_they_did_when_trained():
+    """The two distilled indexers shipped in checkpoints/indexers/, loaded from disk (float16) onto the real SmolLM2:
+    on the held-out prose windows their training set aside (rebuilt from the recorded recipe), the top-K recall of
+    the oracle's pools is the one indexer.json recorded (27% for an untrained indexer), and the KL is a fraction of
+    a freshly initialised indexer's; the MiniMax-M3 one, trained on today's objective, reproduces its KL too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from phasekv.train_indexer import IndexerTraining, corpus, features, held_out
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
+    model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)
+    for name in ("smollm2-kpool4", "smollm2-mm3-pool4"):
+        loaded = ix.make_indexer(f"distilled:{Path(__file__).resolve().parents[1] / 'checkpoints' / 'indexers' / name}")
+        recipe = {k: v for k, v in loaded.config["training"].items() if k != "kind"}
+        minimax = loaded.config["kind"] == ix.MINIMAX_KIND
+        cfg = IndexerTraining(**recipe, kind="minimax" if minimax else "glm5")
+        windows = corpus(tokenizer, cfg.sequences + cfg.held_out, cfg.length, cfg.seed)[cfg.sequences:]
+        feats = features(model, windows, cfg.pool, progress=False, groups=cfg.heads if minimax else 1)
+        trained, fresh = held_out(loaded.modules, feats, cfg), held_out(ix.build_indexers(loaded.config), feats, cfg)
+        recorded = loaded.config["held_out_after"]
+        assert trained["recall_at_budget"] == pytest.approx(recorded["recall_at_budget"], abs=1e-3), name
+        assert fresh["recall_at_budget"] < 0.3 < 0.5 < trained["recall_at_budget"], name
+        assert trained["kl_per_layer"] < fresh["kl_per_layer"] / 3, name
+        if minimax:
+            assert trained["kl_per_layer"] == pytest.approx(recorded["kl_per_layer"], rel=1e-3)
