@@ -11,6 +11,9 @@ fetched it, else the tiny random Llama of the tests.  Prints a table and, last, 
 
     .venv/bin/python benchmarks/selection_cost.py [--length 2048] [--indexers oracle max distilled:DIR] \
         [--pool 4] [--budget 0.25] [--contexts 1] [--queries 8] [--repeats 1]
+
+An indexer item may carry more `kpool` keys after a comma (`distilled:DIR,heads=kv` for a MiniMax-M3 indexer,
+`max,grid=jitter`); a distilled indexer's ratio is labelled by its directory's name.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def main() -> None:
         best = min(times[condition])
         print(f"{condition[:28]:>28} {best:>8.2f} {best / dense:>6.2f}")
         if condition != "none":
-            label = condition.split(":")[0] if condition.startswith("distilled:") else condition
+            label = f"distilled-{Path(condition[len('distilled:'):]).name}" if condition.startswith("distilled:") \
+                else condition
             ratios[f"cost_ratio_{label}@{eval_set.prompt_length}"] = best / dense
     print(" ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
 

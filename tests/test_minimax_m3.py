@@ -71,6 +71,9 @@ def test_recomputed_block_scores_select_what_the_real_indexer_selects():
         top, index = boosted.topk(picked.shape[-1], dim=-1)
         mine = index.masked_fill(top == float("-inf"), -1)
         assert torch.equal(mine.sort(-1).values, picked.sort(-1).values)
+        with torch.no_grad():  # the last queries alone (an audit's continuation) score as the same rows of the whole
+            last = block_scores(indexer, hidden, cos_sin, positions, queries=5)
+        assert torch.allclose(last, scores[:, :, -5:], atol=1e-6) and last.shape[-2] == 5
 
 
 def test_candidates_are_causal_blocks_without_the_local_ones():

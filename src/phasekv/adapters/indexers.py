@@ -218,7 +218,7 @@ def minimax_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int |
     b, t, _ = hidden.shape
     position_ids = torch.arange(t, device=hidden.device)[None].expand(b, -1)
     cos_sin = MiniMaxM3VLRotaryEmbedding(indexer.config)(hidden, position_ids)
-    return block_scores(indexer, hidden, cos_sin, position_ids)[:, :, t - (queries or t):]
+    return block_scores(indexer, hidden, cos_sin, position_ids, queries)
 
 
 def indexer_pool_scores(indexer: nn.Module, hidden: torch.Tensor, queries: int | None = None,

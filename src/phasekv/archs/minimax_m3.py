@@ -30,22 +30,26 @@ from phasekv.archs.base import Architecture, CompressionGeometry, IndexerKind, a
 SPARSE = "minimax_m3_sparse"  # the layer type whose attention has an indexer
 
 
-def block_scores(indexer, hidden: torch.Tensor, position_embeddings, position_ids: torch.Tensor) -> torch.Tensor:
-    """MiniMaxM3VLIndexer.forward's block scores before the local boost, with grad (no cache): (B, H, S, blocks),
-    -inf for blocks with no causal key."""
+def block_scores(indexer, hidden: torch.Tensor, position_embeddings, position_ids: torch.Tensor,
+                 queries: int | None = None) -> torch.Tensor:
+    """MiniMaxM3VLIndexer.forward's block scores before the local boost, with grad (no cache): (B, H, Sq, blocks)
+    for the last Sq = `queries` of the S positions (default all), -inf for blocks with no causal key.  Only those
+    queries are projected and scored: an audit continuing 8 queries after a 2K-token context scores 8 rows."""
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import apply_rotary_pos_emb
 
     b, s, _ = hidden.shape
-    q = indexer.q_norm(indexer.q_proj(hidden).view(b, s, -1, indexer.head_dim)).transpose(1, 2)  # (B, H, S, D)
+    first = s - (queries or s)
+    q = indexer.q_norm(indexer.q_proj(hidden[:, first:]).view(b, s - first, -1, indexer.head_dim)).transpose(1, 2)
     k = indexer.k_norm(indexer.k_proj(hidden).view(b, s, 1, indexer.head_dim)).transpose(1, 2)  # (B, 1, S, D)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb(q, k, cos[..., :indexer.head_dim], sin[..., :indexer.head_dim])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, H, S, S)
-    future = torch.arange(s, device=hidden.device)[None, None, None, :] > position_ids[:, None, :, None]
+    cos, sin = (e[..., :indexer.head_dim] for e in position_embeddings)
+    q = apply_rotary_pos_emb(q, q, cos[:, first:], sin[:, first:])[0]  # (B, H, Sq, D)
+    k = apply_rotary_pos_emb(k, k, cos, sin)[0]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, H, Sq, S)
+    future = torch.arange(s, device=hidden.device)[None, None, None, :] > position_ids[:, None, first:, None]
     scores = scores.masked_fill(future, float("-inf"))
     blocks = -(-s // indexer.block_size)
     scores = F.pad(scores, (0, blocks * indexer.block_size - s), value=float("-inf"))
-    return scores.view(b, indexer.num_heads, s, blocks, indexer.block_size).amax(-1)
+    return scores.view(b, indexer.num_heads, s - first, blocks, indexer.block_size).amax(-1)
 
 
 def candidate_blocks(position_ids: torch.Tensor, blocks: int, block_size: int, local: int) -> torch.Tensor:
