@@ -40,13 +40,13 @@ real-model: $(STAMP)
 	@ls -l $(REAL_MODEL)/*.gguf
 
 # kvpress 0.5.5 for `phasekv audit --press`: its wheel pins transformers < 5.3 (phasekv needs >= 5.24), so it goes in
-# without its dependencies, plus the two its import needs; phasekv.adapters.presses adapts it to transformers 5.24
+# without its dependencies, plus the two its import needs; phasekv.conditions.presses adapts it to transformers 5.24
 .PHONY: kvpress
 kvpress: $(STAMP)
 	@$(PIP) --no-deps kvpress==0.5.5 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PIP) "cachetools>=5.5.2,<6" "fire>=0.6,<0.7" 2>&1 | grep -v -e "^WARNING: Location" -e "dependency resolver" \
 	  -e "^kvpress 0.5.5 requires" || true
-	@$(PY) -c "from phasekv.adapters.presses import load_kvpress; load_kvpress()" && \
+	@$(PY) -c "from phasekv.conditions.presses import load_kvpress; load_kvpress()" && \
 	  echo "kvpress 0.5.5 installed without its transformers pin"
 
 # a real inference engine for `phasekv audit --endpoint` and its end-to-end tests: llama.cpp's llama-server, build

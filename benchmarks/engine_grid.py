@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))  # tests.engine: where make engine installs the bi
 
 from tests.engine import LLAMA_SERVER  # noqa: E402
 
-from phasekv.adapters.endpoint import EndpointAdapter  # noqa: E402
 from phasekv.adapters.hf import load_tokenizer  # noqa: E402
-from phasekv.adapters.launchers import LAUNCHERS, started  # noqa: E402
+from phasekv.audit import engine_grid  # noqa: E402
 from phasekv.config import audit_config  # noqa: E402
-from phasekv.evaluate import engine_grid  # noqa: E402
+from phasekv.engines.client import EndpointAdapter  # noqa: E402
+from phasekv.engines.registry import launcher, started  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
         sys.exit(f"engine_grid: needs {LLAMA_SERVER} (make engine)")
     from phasekv.cli import main as phasekv
 
-    llama = LAUNCHERS["llama-server"]
+    llama = launcher("llama-server")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         assert phasekv(["export", "gguf", "--checkpoint", str(ROOT / "checkpoints" / "dsv4-csa"), "--out",

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.engine sta
 from tests.engine import LLAMA_SERVER, engine_present, llama_server  # noqa: E402
 from tests.helpers import SMOL, SMOL_FILE  # noqa: E402
 
-from phasekv.adapters.endpoint import EndpointAdapter  # noqa: E402
 from phasekv.adapters.hf import load_tokenizer  # noqa: E402
 from phasekv.data.formats import FormatVocabulary, load_format  # noqa: E402
 from phasekv.data.protocols import build_eval_set  # noqa: E402
+from phasekv.engines.client import EndpointAdapter  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402
 
 MODES = {"c1": (1, False), "c4": (4, False), "reuse": (1, True), "reuse_c4": (4, True)}

@@ -1,5 +1,5 @@
 """Cost of pooled selection in an audit: the same prompts at ~2K tokens evaluated as the audit evaluates them,
-dense (the `none` condition) and under `kpool:` selection (`phasekv.adapters.selection`), in one run.
+dense (the `none` condition) and under `kpool:` selection (`phasekv.conditions.selection.pooled`), in one run.
 
 The prompts are the preamble workload of benchmarks/audit_throughput.py (the records format behind a prose
 preamble sized to the length, the layout of the records-4k / records-8k formats), `--contexts` contexts with
@@ -33,7 +33,7 @@ from benchmarks.audit_throughput import prompt_set  # noqa: E402
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE, bpe_tokenizer, tiny_causal_lm  # noqa: E402
 
 from phasekv.adapters.hf import HFAdapter  # noqa: E402
-from phasekv.adapters.selection import SelectionAdapter, parse_selection  # noqa: E402
+from phasekv.conditions.selection.pooled import SelectionAdapter, parse_selection  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402
 
 

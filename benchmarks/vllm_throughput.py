@@ -1,7 +1,7 @@
 """Prompts per second of an endpoint audit through vLLM's real server (`make vllm`): 4 requests in flight against
 one at a time, as a ratio measured in one run.
 
-One vLLM server (as `phasekv.adapters.launch.vllm_server` starts it: eager, float32, one OpenMP thread, no prefix
+One vLLM server (as `phasekv.engines.process.vllm_server` starts it: eager, float32, one OpenMP thread, no prefix
 cache, cached prompt tokens reported) with `--max-num-seqs 4`, so continuous batching can put the 4 requests in one
 batch.  The prompt set is the audit's prefix-padding set of SmolLM2-135M-Instruct in the records format, as
 `benchmarks/engine_throughput.py` builds it for llama-server.  Modes, each a fresh EndpointAdapter (no journal):
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.engine sta
 from engine_throughput import alternate, prompt_set, timed_predict  # noqa: E402  (its prompt set and timing)
 from tests.engine import VLLM_MODEL, vllm_present, vllm_server  # noqa: E402
 
-from phasekv.adapters.endpoint import EndpointAdapter  # noqa: E402
 from phasekv.adapters.hf import load_tokenizer  # noqa: E402
+from phasekv.engines.client import EndpointAdapter  # noqa: E402
 
 MODES = {"c1": 1, "c4": 4}
 

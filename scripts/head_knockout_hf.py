@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from phasekv.adapters.conditions import Geometry, condition_adapter
 from phasekv.adapters.hf import load_hf
+from phasekv.conditions.grammar import Geometry, condition_adapter
 from phasekv.config import audit_config
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.evaluate.runner import predict

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from phasekv.adapters.head_slices import HeadSliceAdapter, parse_slices
+from phasekv.conditions.head_slices import HeadSliceAdapter, parse_slices
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import Source, eval_config, open_source
 from phasekv.outputs import write_json

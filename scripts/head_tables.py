@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from phasekv.adapters.head_slices import parse_slices
+from phasekv.conditions.head_slices import parse_slices
 from phasekv.evaluate.metrics import wilson_interval
 
 

@@ -4,7 +4,7 @@
 
 On `--sequences` held-out lookup sequences of the checkpoint's own training stream (scripts/layout_knockout.py's
 sequences: first-time queries, whose value must come from the record), it prints top-1 accuracy on first-time
-queries with the indexers as trained and with every block selected (`phasekv.indexer.dense_selection`: the main
+queries with the indexers as trained and with every block selected (`training.indexer_kl.dense_selection`: the main
 attention dense, the same weights), then, per sparse layer, how often the query's selection keeps the target block
 (the block holding the record's first value token), for any KV group and for each, overall and by the target's
 phase (the value token's position mod the block size), with the chance a uniform pick of the non-local causal
@@ -19,11 +19,11 @@ import argparse
 import torch
 
 from phasekv import families, load_checkpoint
+from phasekv.archs.indexer_kl import dense_selection, indexers_of
 from phasekv.checkpoint import read_experiment
 from phasekv.config import Experiment
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
-from phasekv.indexer import dense_selection, indexers_of
 
 FIRST_HELD_OUT = 10_000_000  # as scripts/layout_knockout.py: past every training example of the presets
 

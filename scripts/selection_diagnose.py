@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from phasekv.adapters import indexers as ix
-from phasekv.adapters import selection as sel
+from phasekv.conditions.selection import pooled as sel
+from phasekv.conditions.selection import scorers as ix
 
 NAMES = ("mean", "max", "distilled")
 
@@ -116,7 +116,7 @@ def main() -> None:
     from phasekv.config import audit_config
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.evaluate.sources import audit_sets
-    from phasekv.train_indexer import IndexerTraining, corpus, features
+    from phasekv.training.distill_indexer import IndexerTraining, corpus, features
 
     adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
     model = adapter.module.eval()

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phasekv.adapters.selection import is_selection, parse_selection
+from phasekv.conditions.selection.pooled import is_selection, parse_selection
 from phasekv.evaluate.metrics import summarize, wilson_interval
 from phasekv.evaluate.profiles import nan_interval, phase_bootstrap
 from phasekv.outputs import write_json

@@ -5,7 +5,8 @@ and exit 1, so a binary that cannot run on this machine is never moved into plac
 import sys
 from pathlib import Path
 
-from phasekv.adapters.launch import EngineDied, smoke
+from phasekv.engines.llama_cpp import smoke
+from phasekv.engines.process import EngineDied
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:

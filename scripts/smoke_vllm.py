@@ -5,7 +5,8 @@ otherwise one line saying how the server ended and exit 1, so a broken install i
 import sys
 from pathlib import Path
 
-from phasekv.adapters.launch import EngineDied, smoke_vllm
+from phasekv.engines.process import EngineDied
+from phasekv.engines.vllm import smoke_vllm
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from phasekv.adapters import launch
-from phasekv.adapters.journal import prompt_key
+from phasekv.engines import process as launch
+from phasekv.engines.journal import prompt_key
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE
 
 # where `make engine` puts the binary (the Makefile's ENGINE)
@@ -32,7 +32,7 @@ def llama_server(model: Path = SMOL / SMOL_FILE, slots: int = 4, context: int = 
                  startup_s: float = 180.0, extra: tuple[str, ...] = ()):
     """The URL of the built llama-server serving `model` with `slots` parallel sequences of `context // slots` tokens
     each (`extra`: more flags), stopped when the block ends; a server that dies says how in one line
-    (`phasekv.adapters.launch.EngineDied`: its signal by name and its log's last lines)."""
+    (`phasekv.engines.process.EngineDied`: its signal by name and its log's last lines)."""
     return launch.llama_server(LLAMA_SERVER, model, slots=slots, context=context, threads=threads,
                                startup_s=startup_s, extra=extra)
 
@@ -98,7 +98,7 @@ def reply(handler: BaseHTTPRequestHandler, answer: httpx.Response) -> None:
 
 class CountingProxy(Proxy):
     """A loopback HTTP proxy to `target` that counts the prompts of the POSTs it forwards, by their journal key
-    (`phasekv.adapters.journal.prompt_key` of the body's "prompt" or "input_ids")."""
+    (`phasekv.engines.journal.prompt_key` of the body's "prompt" or "input_ids")."""
 
     def __init__(self, target: str):
         super().__init__(target)

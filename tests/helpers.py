@@ -73,16 +73,17 @@ def bpe_tokenizer(prose: bool = False):
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from phasekv.data.vocab import _BASE
+    from phasekv.data.vocab import BASE_WORDS
 
     rng = np.random.default_rng(0)
     lines = ["Here is the list of records.\n", "That is the whole list.\n"] * 50 + [" um okay so\n"] * 200
     for _ in range(3000):
-        lines.append(f"{rng.choice(_BASE['keys'])}: {rng.integers(100, 1000)} {rng.choice(_BASE['values'])}\n")
+        key, number = rng.choice(BASE_WORDS['keys']), rng.integers(100, 1000)  # drawn in this order
+        lines.append(f"{key}: {number} {rng.choice(BASE_WORDS['values'])}\n")
     if prose:
         from phasekv.data.formats import haystack_sentences
 
-        lines += [f" {s} ... ... The special magic number for {rng.choice(_BASE['keys'])} is 482." for s in
+        lines += [f" {s} ... ... The special magic number for {rng.choice(BASE_WORDS['keys'])} is 482." for s in
                   haystack_sentences() * 5]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

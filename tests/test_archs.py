@@ -17,9 +17,9 @@ from phasekv import archs, build_model, families
 from phasekv.adapters.hf import HFAdapter
 from phasekv.adapters.phasekv import adapter_for
 from phasekv.archs import CompressionGeometry, Geometry, architecture_of
+from phasekv.archs.indexer_kl import distillation, indexers_of
 from phasekv.compression import compressors_of
 from phasekv.config import TransformersModelConfig
-from phasekv.indexer import distillation, indexers_of
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, cycled_gates, cycled_layers, offset_gate_parameters
 from phasekv.probes.hooks import capture_final_head_outputs, replace_heads

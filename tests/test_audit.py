@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from phasekv.adapters.hf import HFAdapter
+from phasekv.audit.pipeline import run_audit
 from phasekv.config import PROTOCOLS, AuditPlan, audit_config
 from phasekv.data.formats import FORMATS, FormatVocabulary, PromptFormat, load_format
 from phasekv.data.protocols import build_eval_set
-from phasekv.report.audit import run_audit
 from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model, tiny_causal_lm
 
 

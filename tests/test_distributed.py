@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from phasekv.config import Experiment
-from phasekv.train import read_metrics, train
+from phasekv.training.loop import train
+from phasekv.training.rundir import read_metrics
 from tests.test_train import TINY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

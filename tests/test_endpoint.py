@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from phasekv.adapters.base import ModelInfo
-from phasekv.adapters.endpoint import EndpointAdapter
-from phasekv.adapters.engines import APIS, EndpointError
-from phasekv.adapters.journal import Journal, journal_path, prompt_key
+from phasekv.engines.client import EndpointAdapter
+from phasekv.engines.journal import Journal, journal_path, prompt_key
+from phasekv.engines.registry import api as api_named
+from phasekv.engines.registry import apis
+from phasekv.engines.wire import EndpointError
 from phasekv.evaluate.runner import predict
 from tests.engine import CountingProxy, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, PromptAdapter, needs_real
@@ -67,7 +69,7 @@ RECORDED = {
 
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_recorded_answers_parse_to_the_greedy_token_and_ranked_top_k(name):
-    api = APIS[name.split("-")[0]]
+    api = apis()[name.split("-")[0]]
     answer, read = api.parse(RECORDED[name])
     assert answer.token == 253 and read == 4
     assert answer.top == [(253, -0.5883737802505493), (260, -2.891308307647705), (354, -2.9668755531311035)]
@@ -76,13 +78,13 @@ def test_recorded_answers_parse_to_the_greedy_token_and_ranked_top_k(name):
 
 def test_request_bodies_send_the_exact_ids_and_one_token():
     ids = [1, 2, 3]
-    llama = APIS["llamacpp"].body(ids, 5, "m", cache_prompt=False)
+    llama = api_named("llamacpp").body(ids, 5, "m", cache_prompt=False)
     assert llama["prompt"] == ids and llama["n_predict"] == 1 and llama["n_probs"] == 5
     assert llama["cache_prompt"] is False and llama["temperature"] <= 0
-    oai = APIS["openai"].body(ids, 5, "m", cache_prompt=True)
+    oai = api_named("openai").body(ids, 5, "m", cache_prompt=True)
     assert oai["prompt"] == ids and oai["model"] == "m" and oai["max_tokens"] == 1 and oai["logprobs"] == 5
     assert oai["cache_prompt"] is True and oai["temperature"] == 0 and oai["return_tokens_as_token_ids"]
-    sgl = APIS["sglang"].body(ids, 5, "m", cache_prompt=False)
+    sgl = api_named("sglang").body(ids, 5, "m", cache_prompt=False)
     assert sgl["input_ids"] == ids and sgl["top_logprobs_num"] == 5 and sgl["return_logprob"]
     assert sgl["sampling_params"] == {"max_new_tokens": 1, "temperature": 0}
 
@@ -94,7 +96,7 @@ def test_request_bodies_send_the_exact_ids_and_one_token():
 ])
 def test_answers_that_are_not_id_completions_are_one_line_errors(payload, match):
     with pytest.raises(EndpointError, match=match) as err:
-        APIS["openai"].parse(payload)
+        api_named("openai").parse(payload)
     assert "\n" not in str(err.value)
 
 
@@ -149,7 +151,7 @@ def fake_adapter(engine: FakeEngine, **kwargs) -> EndpointAdapter:
     return EndpointAdapter("http://engine.test", engine.api, V, transport=httpx.MockTransport(engine), **kwargs)
 
 
-@pytest.mark.parametrize("api", list(APIS))
+@pytest.mark.parametrize("api", list(apis()))
 def test_logits_argmax_is_the_engines_token_for_every_api(api):
     engine = FakeEngine(api)
     adapter = fake_adapter(engine, top_k=3)
@@ -202,7 +204,7 @@ def test_5xx_and_connection_errors_are_retried_then_reported_in_one_line():
 
 
 def test_an_unreachable_server_is_one_line():
-    from phasekv.adapters.launch import free_port
+    from phasekv.engines.process import free_port
 
     start = time.perf_counter()
     with pytest.raises(EndpointError, match="cannot reach the server .*after 2 tries") as err:
@@ -307,8 +309,8 @@ class QueryPhaseReference(PromptAdapter):
 
 
 def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):
+    from phasekv.audit.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
-    from phasekv.report.audit import run_audit
     from tests.helpers import bpe_tokenizer
 
     tokenizer = bpe_tokenizer()
@@ -370,9 +372,9 @@ def audits(server, tmp_path_factory):
     """The endpoint audit (llama.cpp API, 2 requests in flight) and the in-process transformers audit of the same
     GGUF weights, on the same prompts."""
     from phasekv.adapters.hf import load_hf
+    from phasekv.audit.pipeline import run_audit
     from phasekv.cli import main
     from phasekv.config import AuditPlan, audit_config
-    from phasekv.report.audit import run_audit
 
     root = tmp_path_factory.mktemp("audits")
     start = time.perf_counter()
@@ -501,9 +503,9 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
 @pytest.mark.slow
 def test_audit_reference_hf_compares_the_served_model_per_source_and_query_phase(server, tmp_path):
     from phasekv.adapters.hf import load_hf
+    from phasekv.audit.pipeline import run_audit
     from phasekv.cli import main
     from phasekv.config import AuditPlan, audit_config
-    from phasekv.report.audit import run_audit
 
     out = tmp_path / "served"
     start = time.perf_counter()

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from phasekv.adapters.journal import journal_path, prompt_key
 from phasekv.cli import main
+from phasekv.engines.journal import journal_path, prompt_key
 from tests.engine import LoopbackServer, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, needs_real
 
@@ -217,7 +217,7 @@ def test_faults_that_outlast_the_retries_stop_in_one_line_and_resume_to_the_clea
 def test_a_server_killed_by_a_signal_is_named_in_one_line(tmp_path):
     """A server that dies before serving (here a shell that kills itself with SIGILL, as llama-server did on AMX
     machines) is reported with the signal's name and its last log line, not as a timeout or a bare -4."""
-    from phasekv.adapters.launch import EngineDied, launched
+    from phasekv.engines.process import EngineDied, launched
 
     script = "echo loading model; echo tinygemm_kernel_amx; kill -ILL $$"
     with pytest.raises(EngineDied) as caught, launched(["sh", "-c", script], "http://127.0.0.1:9", name="fake",
@@ -229,7 +229,7 @@ def test_a_server_killed_by_a_signal_is_named_in_one_line(tmp_path):
 
 
 def test_a_server_that_never_answers_health_times_out_with_its_log(tmp_path):
-    from phasekv.adapters.launch import EngineDied, launched
+    from phasekv.engines.process import EngineDied, launched
 
     with pytest.raises(EngineDied, match=r"not healthy after 1 s: still loading"), launched(
             ["sh", "-c", "echo still loading; sleep 30"], "http://127.0.0.1:9", name="slow", startup_s=1):
@@ -237,7 +237,7 @@ def test_a_server_that_never_answers_health_times_out_with_its_log(tmp_path):
 
 
 def test_a_missing_binary_is_one_line():
-    from phasekv.adapters.launch import EngineDied, launched
+    from phasekv.engines.process import EngineDied, launched
 
     with pytest.raises(EngineDied, match="could not be started: No such file"), launched(
             ["/nonexistent/llama-server"], "http://127.0.0.1:9", name="llama-server"):

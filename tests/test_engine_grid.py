@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from phasekv.adapters.base import ModelInfo
-from phasekv.adapters.launchers import LAUNCHERS, launcher, parse_grid, point_name
+from phasekv.audit.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
 from phasekv.config import audit_config
-from phasekv.evaluate.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
+from phasekv.engines.base import parse_grid, point_name
+from phasekv.engines.registry import launcher
 from tests.fake_llama_server import induction
 from tests.helpers import PromptAdapter, bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = LAUNCHERS["llama-server"]
+LLAMA = launcher("llama-server")
 
 
 class Induction(PromptAdapter):
@@ -74,7 +75,7 @@ def test_grid_flags_map_to_llama_server_flags_and_every_combination_is_a_point()
 
 
 def test_a_server_that_dies_is_reported_by_its_first_error_line_and_its_last_lines(tmp_path):
-    from phasekv.adapters.launch import EngineDied, launched
+    from phasekv.engines.process import EngineDied, launched
 
     script = tmp_path / "dies"
     script.write_text("#!/bin/sh\necho 'I loading'\necho '0.05 E no K/V mix: the cause'\nfor i in 1 2 3 4; do echo \"I "
@@ -146,7 +147,7 @@ def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(t
 
 
 def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokenizer, monkeypatch):
-    from phasekv.evaluate import engine_grid
+    from phasekv.audit import engine_grid
 
     cfg = audit_config(**CFG)
     grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=8,4096", "flash_attn=on,off"]))
@@ -216,10 +217,10 @@ def test_the_audit_command_runs_a_grid_and_refuses_bad_flags_in_one_line(tmp_pat
 
 
 def test_an_audit_of_a_server_the_user_started_records_its_settings(tmp_path, tokenizer):
-    from phasekv.adapters.endpoint import EndpointAdapter
-    from phasekv.adapters.launchers import started
+    from phasekv.audit.pipeline import run_audit
     from phasekv.config import AuditPlan
-    from phasekv.report.audit import run_audit
+    from phasekv.engines.client import EndpointAdapter
+    from phasekv.engines.registry import started
 
     binary, model = fake_engine(tmp_path, len(tokenizer))
     with started(LLAMA, binary, model, {"ubatch": "64"}, context=1024) as url:
@@ -233,7 +234,7 @@ def test_an_audit_of_a_server_the_user_started_records_its_settings(tmp_path, to
 
 
 def test_decode_steps_find_the_planted_bug_at_its_position_mod_4_and_only_below_the_prompt_length(tmp_path, tokenizer):
-    from phasekv.evaluate.decode import decode_check
+    from phasekv.audit.decode import decode_check
 
     sets, summary = ubatch_grid(tmp_path, tokenizer, 4, {"decode": decode_check(5)})
     small, large = (p["decode"] for p in summary["points"])
@@ -250,7 +251,7 @@ def test_decode_steps_find_the_planted_bug_at_its_position_mod_4_and_only_below_
 
 
 def test_prefix_cache_and_batch_paths_find_their_planted_bugs_per_residue(tmp_path, tokenizer):
-    from phasekv.evaluate.engine_paths import cached_length, paths_check
+    from phasekv.audit.engine_paths import cached_length, paths_check
 
     assert [cached_length(20, r, 4) for r in range(4)] == [16, 17, 18, 15]
     cfg = audit_config(**CFG)

@@ -80,8 +80,8 @@ def test_dsv4_q8_0_against_f16_cache(dsv4, tmp_path):
 @needs_smol
 @pytest.mark.slow
 def test_the_bug_proxy_turns_the_query_phase_verdict_and_fails_the_gate(tmp_path, capsys):
-    from phasekv.adapters.launchers import LAUNCHERS, started
     from phasekv.cli import main
+    from phasekv.engines.registry import launcher, started
 
     # short prompts, enough of them per phase for the verdict's material bound (8 per phase gave "a phase effect,
     # not shown material": gap 75 pp, one-sided bounds [0, 100])
@@ -89,7 +89,7 @@ def test_the_bug_proxy_turns_the_query_phase_verdict_and_fails_the_gate(tmp_path
              "1", "--stride", "4", "--protocol", "query", "--prompts-per-phase", "24", "--threads", "1",
              "--no-progress"]
     expect = tmp_path / "expect.json"
-    with started(LAUNCHERS["llama-server"], LLAMA_SERVER, SMOL / SMOL_FILE, {}, context=2048) as url:
+    with started(launcher("llama-server"), LLAMA_SERVER, SMOL / SMOL_FILE, {}, context=2048) as url:
         def audit(out, on, gate):
             with CorruptingProxy(url, residue=3, on=on) as proxy:
                 code = main(["audit", "--endpoint", proxy.url, *flags, *gate, "--out", str(tmp_path / out)])

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from phasekv.evaluate.expect import check_expectations, load_expectations, write_expectations
+from phasekv.audit.expect import check_expectations, load_expectations, write_expectations
 from tests.engine import CorruptingProxy
 from tests.test_engine_grid import CFG, LLAMA, fake_engine, ubatch_grid
 
@@ -60,8 +60,8 @@ def test_a_bad_expectations_file_is_one_line_exit_2_before_anything_runs(tmp_pat
 
 
 def test_the_gate_fails_with_status_3_on_the_bug_proxy_and_passes_without_it(tmp_path, tokenizer, capsys):
-    from phasekv.adapters.launchers import started
     from phasekv.cli import main
+    from phasekv.engines.registry import started
 
     binary, model = fake_engine(tmp_path, len(tokenizer))
     tokenizer.save_pretrained(tmp_path / "tok")

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasekv.adapters import launch
 from phasekv.checkpoint import read_experiment
 from phasekv.data.vocab import Vocabulary
+from phasekv.engines import process as launch
 from phasekv.export import gguf as eg
+from phasekv.export import gguf_tokenizer as gtok
 from tests.engine import LLAMA_SERVER, llama_server
 from tests.helpers import needs_real
 
@@ -126,25 +127,25 @@ def assert_refused(check, config, cases: list[tuple[dict, str]]) -> None:
 
 def test_merges_rebuild_every_word_where_prefix_chains_alone_do_not():
     words = Vocabulary().words[2:]
-    ranks = {tuple(m.split(" ")): i for i, m in enumerate(eg.word_merges(words))}
-    assert all(eg.bpe_split(w, ranks) == [w] for w in words)
+    ranks = {tuple(m.split(" ")): i for i, m in enumerate(gtok.word_merges(words))}
+    assert all(gtok.bpe_split(w, ranks) == [w] for w in words)
     chains = {}
     for w in words:
         for i in range(1, len(w)):
             chains.setdefault((w[:i], w[i]), len(chains))
-    assert eg.bpe_split("salmon", chains) != ["salmon"]  # "o n" of "on" fires first: the repairs are needed
+    assert gtok.bpe_split("salmon", chains) != ["salmon"]  # "o n" of "on" fires first: the repairs are needed
 
 
 def test_word_tokenizer_is_the_vocabulary_one_id_per_word():
     vocab = tiny_vocab()
-    tokenizer = eg.word_tokenizer(vocab, 32)
+    tokenizer = gtok.word_tokenizer(vocab, 32)
     assert len(tokenizer) == 32 and tokenizer.bos_token_id == vocab.bos
     text = "cat Alice um the dog"
     assert tokenizer.encode(text, add_special_tokens=False) == vocab.encode(text)
     assert tokenizer.decode(vocab.encode(text)) == text
-    assert eg.word_tokens(vocab, 32)[26:] == [f"[PAD{i}]" for i in range(26, 32)]
+    assert gtok.word_tokens(vocab, 32)[26:] == [f"[PAD{i}]" for i in range(26, 32)]
     with pytest.raises(ValueError, match="model.vocab_size"):
-        eg.word_tokens(vocab, 20)
+        gtok.word_tokens(vocab, 20)
 
 
 # ---------------------------------------------------------------------------------------------- the file
@@ -182,7 +183,7 @@ def test_the_file_holds_the_widened_weights_under_llama_cpp_names(dtype, tmp_pat
     assert field("deepseek4.attention.compress_ratios") == [4, 4]
     assert field("deepseek4.hyper_connection.count") == [4]
     assert field("deepseek4.attention.indexer.key_length") == [64]
-    assert field("tokenizer.ggml.tokens") == eg.word_tokens(vocab, 32)
+    assert field("tokenizer.ggml.tokens") == gtok.word_tokens(vocab, 32)
     assert field("tokenizer.ggml.model") == ["whitespace"]
 
 
@@ -323,7 +324,7 @@ def test_llama_cpp_dies_on_the_shapes_the_export_widens_or_refuses(shape, signal
         config = copy.deepcopy(model.config)
         config.hc_mult = eg.HC_STREAMS
         wide = families.build(config)
-        wide.load_state_dict(eg._widen_streams(model.state_dict()))
+        wide.load_state_dict(eg.widen_streams(model.state_dict()))
         model = wide
     eg.write_gguf(model, tiny_vocab(), tmp_path / "as-is.gguf")
     with pytest.raises(launch.EngineDied, match=f"killed by {signal}"), llama_server(tmp_path / "as-is.gguf", slots=1,

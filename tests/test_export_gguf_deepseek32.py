@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from phasekv.adapters import launch
 from phasekv.archs.deepseek_v32 import scores
+from phasekv.engines import process as launch
 from phasekv.export import gguf as eg
 from phasekv.export import gguf_deepseek32 as e32
 from tests.engine import llama_server

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from phasekv.adapters import launch
+from phasekv.engines import process as launch
 from phasekv.export import gguf as eg
 from phasekv.export import gguf_minimax_m3 as em
 from tests.engine import llama_server

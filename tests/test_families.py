@@ -92,7 +92,7 @@ def test_qwen3_from_transformers_trains_and_evaluates_like_the_same_phasekv_mode
     """`phasekv train` trains transformers' Qwen3ForCausalLM; `phasekv eval --checkpoint` evaluates it;
     a phasekv full-attention model with the same weights is the same function and gets the same metrics."""
     from phasekv.cli import main
-    from phasekv.train import train
+    from phasekv.training.loop import train
     from tests.test_train import TINY
 
     tree = {**TINY, "model": QWEN3, "train": {**TINY["train"], "steps": 4, "checkpoint_every": 4}}

@@ -36,7 +36,7 @@ import phasekv.outputs as outputs_mod
 from phasekv import families
 from phasekv.cli import main
 from phasekv.config import MAX_CONFIG_BYTES, Experiment
-from phasekv.train import train
+from phasekv.training.loop import train
 from tests.engine import LoopbackServer
 from tests.test_endpoint import FakeEngine
 from tests.test_evaluate import VOCAB, _tiny_hf
@@ -610,7 +610,7 @@ def test_flags_are_checked_before_anything_loads(case: Case, ws: Path, capsys, m
     """Each of these is refused with its own line although loading a model (or training) would fail the test: the
     flags, the format file and the work's size are checked first (a GGUF model takes most of a minute to load)."""
     import phasekv.adapters.hf as hf_mod
-    import phasekv.train as train_mod
+    import phasekv.training.loop as train_mod
 
     def never(*args, **kwargs):
         raise AssertionError(f"{case.id}: a model was loaded before the flags were checked")
@@ -731,7 +731,7 @@ class _Evil:
         return (Path.touch, (Path(self.path),))
 
 
-# ----------------------------------------------------------------------------- known gaps (train.py)
+# ----------------------------------------------------------------------------- known gaps (training/loop.py)
 
 
 def test_resume_without_readable_checkpoint_in_a_real_process(ws: Path):
@@ -962,7 +962,7 @@ class ScriptedEngine(FakeEngine):
 
 
 def scripted_adapter(flavour: str, engine: ScriptedEngine):
-    from phasekv.adapters.endpoint import EndpointAdapter
+    from phasekv.engines.client import EndpointAdapter
 
     return EndpointAdapter("http://engine.test", flavour.split("-")[0], V4, retries=0, backoff=0.0,
                            transport=httpx.MockTransport(engine))
@@ -979,8 +979,8 @@ def test_fuzzed_engine_answers_are_refused_in_one_line_or_read_right(flavour):
     token; never another exception.  The valid answer itself is accepted (the generator's baseline)."""
     import numpy as np
 
-    from phasekv.adapters.engines import EndpointError
-    from phasekv.adapters.journal import prompt_key
+    from phasekv.engines.journal import prompt_key
+    from phasekv.engines.wire import EndpointError
 
     rng = np.random.default_rng(FLAVOURS.index(flavour))
     engine = ScriptedEngine()
@@ -1016,8 +1016,8 @@ def test_fuzzed_model_descriptions_are_one_line_or_a_working_adapter(api):
     adapter or one EndpointError line, never a traceback."""
     import numpy as np
 
-    from phasekv.adapters.endpoint import EndpointAdapter
-    from phasekv.adapters.engines import EndpointError
+    from phasekv.engines.client import EndpointAdapter
+    from phasekv.engines.wire import EndpointError
 
     described = {"/props": {"model_path": "/models/fake.gguf", "default_generation_settings": {"n_ctx": 4096}},
                  "/v1/models": {"data": [{"id": "fake", "max_model_len": 4096, "meta": {"n_vocab": V4}}]},
@@ -1058,7 +1058,7 @@ def test_fuzzed_model_descriptions_are_one_line_or_a_working_adapter(api):
 ])
 def test_each_broken_answer_of_the_issue_is_named(case, match):
     """The issue's broken answers, one line each (llama.cpp's format; the fuzz covers every API)."""
-    from phasekv.adapters.engines import EndpointError
+    from phasekv.engines.wire import EndpointError
 
     ids = [5, 6, 7]
     payload, t = valid_answer("llamacpp", ids)
@@ -1184,7 +1184,7 @@ def served_audit(url: str, tokenizer: Path, out: Path, capsys, extra: str = "") 
 def test_an_endless_body_is_cut_at_the_cap(tmp_path, tokenizer_dir, capsys):
     """/props streaming without end (256 MiB here) is read only up to the cap: the read stops, memory stays
     bounded (the server could write at most the cap plus the socket buffers), the audit is one line."""
-    from phasekv.adapters.engines import Connection, EndpointError
+    from phasekv.engines.wire import Connection, EndpointError
 
     def endless():
         yield b'{"model_path": "'
@@ -1232,7 +1232,7 @@ def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, t
     """A refused run leaves nothing; a failed run keeps its journal only inside OUT's temporary directory (never a
     file beside OUT); a journal line without an answer's fields is named with its line; --resume publishes the
     journal inside OUT and nothing else remains."""
-    from phasekv.adapters.journal import journal_path
+    from phasekv.engines.journal import journal_path
 
     vocab, out = vocab_of(tokenizer_dir), tmp_path / "out"
     with HTTPEngine(vocab, context=16) as engine:  # every prompt is longer than the server's context

@@ -1,18 +1,19 @@
-"""Head-partitioned history (phasekv.adapters.head_slices) and the moved post-hoc grids (phasekv.adapters.grid_fixes)
-on tiny transformers models: the masked attention against its per-query reference, the slicings by hand, no query
-reading its future, prefill + queries equal to one whole forward, and origin 0 equal to plain post-hoc select."""
+"""Head-partitioned history (phasekv.conditions.head_slices) and the moved post-hoc grids
+(phasekv.conditions.grid_fixes) on tiny transformers models: the masked attention against its per-query reference,
+the slicings by hand, no query reading its future, prefill + queries equal to one whole forward, and origin 0 equal to
+plain post-hoc select."""
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from phasekv.adapters import grid_fixes as gf  # noqa: E402
-from phasekv.adapters import head_slices as hs  # noqa: E402
-from phasekv.adapters.conditions import Geometry, check_conditions, condition_adapter  # noqa: E402
 from phasekv.adapters.hf import HFAdapter  # noqa: E402
-from phasekv.adapters.posthoc import PosthocAdapter  # noqa: E402
-from phasekv.adapters.selection import call_geometry  # noqa: E402
+from phasekv.conditions import grid_fixes as gf  # noqa: E402
+from phasekv.conditions import head_slices as hs  # noqa: E402
+from phasekv.conditions.grammar import Geometry, check_conditions, condition_adapter  # noqa: E402
+from phasekv.conditions.posthoc import PosthocAdapter  # noqa: E402
+from phasekv.conditions.selection.kernel import call_geometry  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 VOCAB, T, Q = 61, 45, 3

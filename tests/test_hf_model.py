@@ -13,8 +13,8 @@ import phasekv
 from phasekv.cache import KVCache
 from phasekv.checkpoint import read_experiment
 from phasekv.config import model_config_from_dict
-from phasekv.hf_config import PhaseKVConfig
-from phasekv.hf_model import HFPhaseKVForCausalLM
+from phasekv.hf.config import PhaseKVConfig
+from phasekv.hf.model import HFPhaseKVForCausalLM
 from tests.helpers import bpe_tokenizer, tiny
 from tests.test_checkpoint import CHECKPOINTS
 
@@ -143,7 +143,7 @@ def test_import_phasekv_does_not_import_transformers_modeling_code():
             "from transformers import AutoConfig, AutoModelForCausalLM; "
             "from transformers.models.auto.configuration_auto import CONFIG_MAPPING; "
             "from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING; "
-            "from phasekv.hf_config import PhaseKVConfig; "
+            "from phasekv.hf.config import PhaseKVConfig; "
             "assert CONFIG_MAPPING['phasekv'] is PhaseKVConfig; "
             "assert MODEL_FOR_CAUSAL_LM_MAPPING[PhaseKVConfig].__name__ == 'HFPhaseKVForCausalLM'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

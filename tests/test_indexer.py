@@ -1,4 +1,4 @@
-"""phasekv.indexer: the KL distillation objective of sparse-attention indexers, checked on its own against a
+"""phasekv.archs.indexer_kl: the KL distillation objective of sparse-attention indexers, checked on its own against a
 plain loop.  (The hooks on transformers' real DeepSeek-V4, DeepSeek-V3.2 and GLM-5.3 indexers, the dense warm-up
 and the training effect: test_realarch.py.)"""
 
@@ -9,7 +9,7 @@ import torch
 
 from phasekv import build_model
 from phasekv.archs.base import selected_mask
-from phasekv.indexer import _pool_mass, dense_selection, distillation, indexers_of, kl_to_attention
+from phasekv.archs.indexer_kl import _pool_mass, dense_selection, distillation, indexers_of, kl_to_attention
 from tests.helpers import tiny
 
 

@@ -5,8 +5,8 @@ saves and loads whole, and it refuses one selection shared by all heads."""
 import pytest
 import torch
 
-from phasekv.adapters import indexers as ix
-from phasekv.adapters import selection as sel
+from phasekv.conditions.selection import pooled as sel
+from phasekv.conditions.selection import scorers as ix
 from tests.helpers import tiny_causal_lm
 from tests.test_selection import _distilled_dir, _Layer, _plain
 
@@ -45,7 +45,7 @@ def test_a_trained_minimax_indexer_saves_loads_and_needs_heads_kv(tmp_path):
     """train-indexer --kind minimax end to end on a tiny Llama (a character tokenizer over the prose corpus): the
     config records the kind, one head per KV group and the RoPE theta; the loaded modules give the held-out numbers
     the trained ones had; heads=shared is refused in one line, heads=kv accepted."""
-    from phasekv.train_indexer import IndexerTraining, corpus, features, held_out, train_indexer
+    from phasekv.training.distill_indexer import IndexerTraining, corpus, features, held_out, train_indexer
 
     class Characters:
         def __call__(self, text, add_special_tokens=False):

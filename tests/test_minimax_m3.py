@@ -9,9 +9,9 @@ import torch
 
 from phasekv import families
 from phasekv.archs import architecture_of, geometry_of
+from phasekv.archs.indexer_kl import dense_selection, distillation, indexers_of, kl_to_attention
 from phasekv.archs.minimax_m3 import block_scores, candidate_blocks
 from phasekv.config import TransformersModelConfig
-from phasekv.indexer import dense_selection, distillation, indexers_of, kl_to_attention
 from tests.test_archs import M3
 
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from phasekv import memory  # noqa: E402
 from phasekv.adapters import hf as adapter_module  # noqa: E402
 from phasekv.adapters.hf import HFAdapter, query_mask  # noqa: E402
-from phasekv.adapters.posthoc import PosthocAdapter  # noqa: E402
+from phasekv.conditions.posthoc import PosthocAdapter  # noqa: E402
 from phasekv.data.formats import FORMATS, FormatVocabulary, load_format  # noqa: E402
 from phasekv.data.protocols import build_eval_set  # noqa: E402
 from phasekv.evaluate.runner import predict  # noqa: E402

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from phasekv.adapters.hf import HFAdapter  # noqa: E402
-from phasekv.adapters.posthoc import PosthocAdapter, compress_cache, parse_policy  # noqa: E402
+from phasekv.conditions.posthoc import PosthocAdapter, compress_cache, parse_policy  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 VOCAB, T, Q = 61, 37, 3  # context length, query length

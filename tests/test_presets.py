@@ -42,7 +42,7 @@ def test_cpu_presets_build_and_run(path):
     if "model_type" in section:  # a transformers-family model, built by transformers' own class
         model = families.build(exp.model)
         # a text model shipped only inside a multimodal class (GLM-5.3) gets phasekv's linear LM head around it
-        backbone = model.model if type(model).__module__ == "phasekv.textlm" else model
+        backbone = model.model if type(model).__module__ == "phasekv.hf.textlm" else model
         assert type(backbone).__module__.startswith("transformers.models." + section["model_type"].split("_text")[0])
     else:
         assert ModelConfig(**section) == exp.model

@@ -18,9 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from phasekv.adapters import presses  # noqa: E402
 from phasekv.adapters.hf import HFAdapter  # noqa: E402
-from phasekv.adapters.presses import PressAdapter, parse_press  # noqa: E402
+from phasekv.conditions import presses  # noqa: E402
+from phasekv.conditions.presses import PressAdapter, parse_press  # noqa: E402
 from tests.helpers import SMOL, SMOL_FILE, needs_real, needs_real_model, tiny_causal_lm  # noqa: E402
 
 needs_kvpress = needs_real(importlib.util.find_spec("kvpress") is not None, "kvpress not installed (make kvpress)")
@@ -540,7 +540,7 @@ def test_the_audit_refuses_a_bad_press_before_loading_a_model(tmp_path, capsys):
 
 @needs_kvpress
 def test_the_audit_evaluates_a_press_condition_through_press_adapter():
-    from phasekv.adapters.conditions import Geometry, check_conditions, condition_adapter
+    from phasekv.conditions.grammar import Geometry, check_conditions, condition_adapter
 
     check_conditions(("none", "press:chunkkv:press=knorm,ratio=0.5,chunk=8"), Geometry(8, 8, 16))
     hf = _tiny("llama")
@@ -554,8 +554,8 @@ def test_the_audit_evaluates_a_press_condition_through_press_adapter():
 def test_the_real_model_audit_runs_a_press(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from phasekv.audit.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
-    from phasekv.report.audit import run_audit
 
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
     model = AutoModelForCausalLM.from_pretrained(SMOL, gguf_file=SMOL_FILE, dtype=torch.float32)

@@ -182,9 +182,9 @@ def test_heatmap_draws_the_cells_and_margins(tmp_path):
 
 
 def test_audit_with_the_query_protocol_reports_the_query_phase(tmp_path):
+    from phasekv.audit.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
     from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.report.audit import run_audit
 
     tokenizer = bpe_tokenizer()
     kt = FormatVocabulary(load_format("records"), tokenizer).record_shape[0]

@@ -3,7 +3,7 @@ indexer over compressed entries), DeepSeek-V3.2 (token-level DSA) and GLM-5.3 (k
 
 Each is built from its preset under configs/transformers/ shrunk to the smallest sizes, and checked through the real
 classes: no future leakage (training forward and cached evaluation), prefill + continuation equals a full forward,
-the indexer distillation (phasekv.indexer) trains the indexer and leaves the LM gradients bit-identical, and
+the indexer distillation (phasekv.archs.indexer_kl) trains the indexer and leaves the LM gradients bit-identical, and
 `phasekv train` / `load_checkpoint` / `phasekv eval --checkpoint` work end to end."""
 
 import json
@@ -17,9 +17,9 @@ import phasekv
 from phasekv import families
 from phasekv.adapters.hf import HFAdapter
 from phasekv.archs import architecture_of
+from phasekv.archs.indexer_kl import distillation, indexer_parameters, indexers_of
 from phasekv.config import Experiment, TransformersModelConfig
-from phasekv.indexer import distillation, indexer_parameters, indexers_of
-from phasekv.train import clip_groups, token_losses
+from phasekv.training.loop import clip_groups, token_losses
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "transformers"
 # The presets at the smallest sizes that keep every mechanism (selection below the candidates included).  The indexer
@@ -157,7 +157,8 @@ def test_indexer_loss_decreases(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_trains_saves_loads_and_evaluates(name, tmp_path):
     from phasekv.cli import main
-    from phasekv.train import read_metrics, train
+    from phasekv.training.loop import train
+    from phasekv.training.rundir import read_metrics
     from tests.test_train import TINY
 
     tree = {**TINY, "model": small_section(name), "train": {**TINY["train"], "steps": 3, "checkpoint_every": 3}}
@@ -173,7 +174,7 @@ def test_trains_saves_loads_and_evaluates(name, tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_dense_warmup_selects_every_candidate_and_restores_the_top_k(name):
-    from phasekv.indexer import dense_selection
+    from phasekv.archs.indexer_kl import dense_selection
 
     model = build(name).train()
     before = [module.index_topk for _, module, _ in indexers_of(model)]

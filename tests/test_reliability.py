@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 import phasekv.outputs as outputs_mod
 from phasekv.cli import main
 from phasekv.config import Experiment
-from phasekv.train import read_metrics, train
+from phasekv.training.loop import train
+from phasekv.training.rundir import read_metrics
 from tests.test_train import TINY, experiment
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -37,7 +38,7 @@ import json, os, shutil, sys
 import torch
 import torch._dynamo  # imported lazily by the optimizer: once here, not once per child
 torch.set_num_threads(1)
-import phasekv.evaluate.runner, phasekv.train
+import phasekv.evaluate.runner, phasekv.training.loop
 from phasekv.cli import build_parser, main
 build_parser()  # imports every subcommand's module before forking
 
@@ -314,7 +315,7 @@ def test_publish_fsyncs(tmp_path, monkeypatch):
 
 
 def test_kill_while_pruning_an_old_checkpoint(tmp_path, monkeypatch):
-    import phasekv.rundir as rundir_mod
+    import phasekv.training.rundir as rundir_mod
 
     run = tmp_path / "r"
     original = shutil.rmtree
@@ -342,7 +343,7 @@ def test_resume_without_its_latest_pointer_continues_from_the_newest_checkpoint(
     train(Experiment.from_file(cfg, ["train.steps=2"]), run, progress=False)
     (run / "latest").unlink()
     kept = (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns
-    with caplog.at_level("INFO", logger="phasekv.rundir"):
+    with caplog.at_level("INFO", logger="phasekv.training.rundir"):
         train(Experiment.from_file(cfg), run, resume=True, progress=False)
     assert any("at step 2" in r.getMessage() for r in caplog.records), caplog.text
     assert (run / "checkpoints" / "step_000002" / "model.safetensors").stat().st_mtime_ns == kept  # not retrained
@@ -359,7 +360,7 @@ def held_bytes_per_sequence(exp: Experiment) -> float:
     forward of `token_losses` plus its float32 logits, at batch 2 and at batch 6 (the difference drops the weights,
     saved at any batch)."""
     from phasekv import families
-    from phasekv.train import token_losses
+    from phasekv.training.loop import token_losses
 
     torch.manual_seed(0)
     model = families.build(exp.model)
@@ -458,7 +459,7 @@ def test_a_compression_that_compresses_nothing_is_refused():
     evaluate the full cache under a compressed condition's name: refused when the prompt length is checked, before
     any forward."""
     from phasekv.adapters.hf import HFAdapter
-    from phasekv.adapters.posthoc import PosthocAdapter
+    from phasekv.conditions.posthoc import PosthocAdapter
     from tests.helpers import tiny_causal_lm
 
     base = HFAdapter(tiny_causal_lm("qwen3", 64, 512, "sdpa"), "tiny")

@@ -9,7 +9,7 @@ from phasekv.cli import main
 from phasekv.config import Experiment
 from phasekv.report.html import write_report
 from phasekv.report.reproduce import bundle
-from phasekv.train import train
+from phasekv.training.loop import train
 
 TINY = {
     "model": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -1,5 +1,6 @@
-"""Pooled selection as an audit condition (phasekv.adapters.selection, .indexers), its mechanism statistics
-(in phasekv.adapters.selection) and the distilled indexer (phasekv.train_indexer), on tiny transformers models."""
+"""Pooled selection as an audit condition (phasekv.conditions.selection.pooled, .indexers), its mechanism statistics
+(in phasekv.conditions.selection.pooled) and the distilled indexer (phasekv.training.distill_indexer),
+on tiny transformers models."""
 
 import json
 from pathlib import Path
@@ -7,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasekv.adapters import indexers as ix
-from phasekv.adapters import selection as sel
-from phasekv.adapters import selection_kernel as sel_kernel
 from phasekv.adapters.hf import HFAdapter
+from phasekv.conditions.selection import kernel as sel_kernel
+from phasekv.conditions.selection import pooled as sel
+from phasekv.conditions.selection import scorers as ix
 from tests.helpers import SMOL, SMOL_FILE, needs_real_model, tiny_causal_lm
 
 SPECS = ["kpool:pool=4,top=2,local=4,sink=1", "kpool:pool=2,budget=0.3,local=4,sink=0",
@@ -253,7 +254,7 @@ def test_distillation_lowers_the_held_out_kl_and_raises_recall(kind):
     """The real Glm5NextTextIndexer (one selection) or MiniMaxM3VLIndexer (one per KV group: the target is the
     group's own heads' mass) modules on a tiny Llama's hidden states, trained on the KL to its dense attention over
     random sequences: the held-out KL falls and the top-K recall of the oracle's pools rises."""
-    from phasekv.train_indexer import IndexerTraining, features, fit, held_out
+    from phasekv.training.distill_indexer import IndexerTraining, features, fit, held_out
 
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", 50, 256, "sdpa").requires_grad_(False)
@@ -276,7 +277,7 @@ def test_distillation_lowers_the_held_out_kl_and_raises_recall(kind):
 def test_distillation_ranks_only_the_pools_selection_chooses_among():
     """The loss is the KL over the selection's candidates: attention mass moved within the local tail leaves it
     unchanged, mass moved between two candidate pools changes it."""
-    from phasekv.train_indexer import IndexerTraining, distillation_loss
+    from phasekv.training.distill_indexer import IndexerTraining, distillation_loss
 
     torch.manual_seed(0)
     cfg = IndexerTraining(pool=4, heads=2, head_dim=8, sequences=1, held_out=1, length=48, local=8, sink=1)
@@ -294,7 +295,7 @@ def test_distillation_ranks_only_the_pools_selection_chooses_among():
 def test_the_mechanism_counts_the_target_pool_per_phase():
     """On a lookup prompt set the oracle's rate of selecting the target's pool is reported per phase, in [0, 1],
     with the tail share apart."""
-    from phasekv.adapters.selection import selection_mechanism
+    from phasekv.conditions.selection.pooled import selection_mechanism
     from phasekv.data.protocols import build_eval_set
     from phasekv.data.vocab import Vocabulary
 
@@ -428,7 +429,7 @@ def test_the_bundled_indexers_rank_smollm2s_pools_as_they_did_when_trained():
     a freshly initialised indexer's; the MiniMax-M3 one, trained on today's objective, reproduces its KL too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from phasekv.train_indexer import IndexerTraining, corpus, features, held_out
+    from phasekv.training.distill_indexer import IndexerTraining, corpus, features, held_out
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)

@@ -1,13 +1,14 @@
-"""Moved selection grids (`grid=stagger|jitter` of phasekv.adapters.selection, the kernel's `Geometry.origins`, the
+"""Moved selection grids (`grid=stagger|jitter` of
+phasekv.conditions.selection.pooled, the kernel's `Geometry.origins`, the
 indexers' moved pools, the distilled indexer's lead slots in phasekv.archs.glm5_next), on tiny transformers models."""
 
 import pytest
 import torch
 
-from phasekv.adapters import indexers as ix
-from phasekv.adapters import selection as sel
-from phasekv.adapters import selection_kernel as sel_kernel
 from phasekv.adapters.hf import HFAdapter
+from phasekv.conditions.selection import kernel as sel_kernel
+from phasekv.conditions.selection import pooled as sel
+from phasekv.conditions.selection import scorers as ix
 from tests.helpers import tiny_causal_lm
 from tests.test_selection import _call, _distilled_dir, _fast, _Layer
 

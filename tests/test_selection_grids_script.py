@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasekv.adapters.selection import parse_selection
+from phasekv.conditions.selection.pooled import parse_selection
 from tests.helpers import load_script
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 import yaml
 
-import phasekv.train as train_mod
+import phasekv.training.loop as train_mod
 from phasekv.checkpoint import load_checkpoint
 from phasekv.config import Experiment
-from phasekv.train import read_metrics, train
+from phasekv.training.loop import train
+from phasekv.training.rundir import read_metrics
 
 TINY = {
     "model": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -8,6 +8,7 @@ null's 95th percentile); "phase sensitive" needs all three and names the best pe
 import numpy as np
 import pytest
 
+from phasekv.audit.pipeline import compressed_verdict
 from phasekv.data.protocols import build_eval_set
 from phasekv.data.vocab import Vocabulary
 from phasekv.evaluate.metrics import summarize
@@ -20,7 +21,6 @@ from phasekv.evaluate.verdict import (
     task_verdict,
     verdict_period,
 )
-from phasekv.report.audit import compressed_verdict
 from tests.test_metrics import phase_curve, shifted_records
 
 CHANCE, IN_CONTEXT = 1 / 64, 0.04

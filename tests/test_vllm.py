@@ -10,8 +10,9 @@ import httpx
 import pytest
 import torch
 
-from phasekv.adapters.endpoint import EndpointAdapter
-from phasekv.adapters.engines import APIS, EndpointError
+from phasekv.engines.client import EndpointAdapter
+from phasekv.engines.registry import api as api_named
+from phasekv.engines.wire import EndpointError
 from tests.engine import VLLM_MODEL, vllm_present, vllm_server
 from tests.helpers import needs_real
 
@@ -34,7 +35,7 @@ RECORDED = {
 
 
 def test_vllms_recorded_answer_parses_to_its_token_ids_and_cached_count():
-    answer, read = APIS["openai"].parse(RECORDED)
+    answer, read = api_named("openai").parse(RECORDED)
     assert answer.token == 990 and read == 4 and answer.cached == 0
     assert answer.top == [(990, -0.4514174163341522), (327, -2.6189303398132324), (281, -3.487924098968506)]
 
@@ -133,7 +134,7 @@ RECORDED_CACHED = {**RECORDED, "usage": {**RECORDED["usage"], "prompt_tokens_det
 
 
 def test_a_run_whose_server_does_not_report_cached_tokens_says_the_cache_was_not_checked(tmp_path, caplog):
-    from phasekv.adapters.journal import keep_journal
+    from phasekv.engines.journal import keep_journal
 
     silent = {**RECORDED, "usage": {"prompt_tokens": 4, "total_tokens": 5, "completion_tokens": 1}}
 
@@ -180,7 +181,7 @@ def metrics_engine(cache_line: str):
 
 
 def test_a_vllm_server_with_its_prefix_cache_on_is_refused_before_any_request_of_a_run_without_cache(tmp_path):
-    from phasekv.adapters.journal import keep_journal
+    from phasekv.engines.journal import keep_journal
 
     off = EndpointAdapter("http://engine.test", "openai", 49152, transport=metrics_engine(METRICS))
     assert off.cache_config["enable_prefix_caching"] == "False" and off.cache_config["block_size"] == "128"

@@ -10,16 +10,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from phasekv.adapters.engines import Connection
-from phasekv.adapters.launchers import LAUNCHERS, default_binary, parse_grid, point_name, vllm_report
+from phasekv.audit.engine_grid import EngineGrid, run_grid
 from phasekv.config import audit_config
-from phasekv.evaluate.engine_grid import EngineGrid, run_grid
+from phasekv.engines.base import parse_grid, point_name
+from phasekv.engines.registry import default_binary, launcher
+from phasekv.engines.vllm import vllm_report
+from phasekv.engines.wire import Connection
 from tests.engine import VLLM_MODEL, VLLM_PYTHON, vllm_present
 from tests.helpers import bpe_tokenizer, needs_real
 from tests.test_engine_grid import CFG, fake_engine
 from tests.test_vllm import METRICS
 
-VLLM = LAUNCHERS["vllm"]
+VLLM = launcher("vllm")
 needs_vllm = needs_real(vllm_present, "vLLM not installed (make vllm)")
 
 
@@ -54,7 +56,7 @@ def test_each_grid_point_is_its_own_vllm_command_line(monkeypatch):
                         slots=4)
     assert flags_after(wide, "--max-model-len")[0] == "1024" and flags_after(wide, "--max-num-seqs")[0] == "4"
     assert flags_after(wide, "--kv-cache-dtype")[0] == "fp8" and wide[-2:] == ["--dtype", "bfloat16"]  # after float32
-    assert VLLM.startup_s >= 600 > LAUNCHERS["llama-server"].startup_s  # vLLM loads slowly on busy cores
+    assert VLLM.startup_s >= 600 > launcher("llama-server").startup_s  # vLLM loads slowly on busy cores
 
 
 @pytest.mark.parametrize("items, message", [
@@ -74,7 +76,7 @@ def test_settings_vllm_does_not_have_or_rejects_are_one_line_refusals(items, mes
 
 def test_a_vllm_key_given_to_llama_server_names_llama_cpps_own():
     with pytest.raises(ValueError, match=r"not a llama-server setting \(llama.cpp's batch sizes are ubatch"):
-        parse_grid(LAUNCHERS["llama-server"], ["max_num_batched_tokens=32"])
+        parse_grid(launcher("llama-server"), ["max_num_batched_tokens=32"])
 
 
 def _vllm_flags(tmp_path: Path) -> tuple[list[str], Path]:
@@ -147,7 +149,7 @@ def test_vllms_settings_are_read_back_from_its_metrics_and_server_info():
 def test_the_engines_own_startup_timeout_applies_unless_the_grid_sets_one(tmp_path, monkeypatch):
     import contextlib
 
-    from phasekv.adapters import launchers
+    from phasekv.engines import registry
 
     asked = []
 
@@ -156,11 +158,11 @@ def test_the_engines_own_startup_timeout_applies_unless_the_grid_sets_one(tmp_pa
         asked.append((name, startup_s))
         yield url
 
-    monkeypatch.setattr(launchers, "launched", launched)
+    monkeypatch.setattr(registry, "launched", launched)
     python = tmp_path / "python"
     python.write_text("")
     for startup_s in (None, 5.0):
-        with launchers.started(VLLM, python, tmp_path, {}, startup_s=startup_s):
+        with registry.started(VLLM, python, tmp_path, {}, startup_s=startup_s):
             pass
     assert asked == [("vllm", VLLM.startup_s), ("vllm", 5.0)]
 
@@ -171,7 +173,7 @@ def test_a_point_whose_server_caches_prefixes_is_audited_reusing_them_and_the_ot
     cache and get none."""
     tokenizer = bpe_tokenizer()
     binary, model = fake_engine(tmp_path, len(tokenizer))
-    engine = dataclasses.replace(LAUNCHERS["llama-server"], caches_prefix=lambda s: s.get("flash_attn") == "on")
+    engine = dataclasses.replace(launcher("llama-server"), caches_prefix=lambda s: s.get("flash_attn") == "on")
     grid = EngineGrid(engine, binary, model, tuple(parse_grid(engine, ["flash_attn=off,on"])), context=2048,
                       startup_s=60)
     summary = run_grid(grid, tokenizer, audit_config(**CFG), tmp_path / "out", protocols=("prefix",), per_phase=4,

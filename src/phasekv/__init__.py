@@ -1,8 +1,8 @@
 """phasekv: chunked KV-cache compression, its phase sensitivity, and the tools to measure it."""
 
-from phasekv import hf_registration
 from phasekv.checkpoint import load_checkpoint
 from phasekv.config import ModelConfig
+from phasekv.hf import registration as hf_registration
 from phasekv.model import PhaseKVForCausalLM, build_model
 
 hf_registration.install()  # AutoConfig / AutoModelForCausalLM learn model_type "phasekv" once transformers loads them

@@ -28,10 +28,10 @@ from phasekv.compression.head_slices import HeadSlices
 from phasekv.config import LAYER_KINDS_BUILTIN, ModelConfig
 from phasekv.kernels import (
     Visible,
-    _has_flash_lse,
-    _raw_mask,
     attention_by_parts,
     attention_over_shared,
+    has_flash_lse,
+    raw_mask,
     regular_entries,
     tail_start,
     windowed_attention,
@@ -133,7 +133,7 @@ class Attention(nn.Module):
         on the CPU (torch's flash kernel with log-sum-exp) and when every cached key's visibility depends on the
         query position only; an indexer's selection, head-staggered owners and the uncompressed tail take the
         expanded copy."""
-        if torch.is_grad_enabled() or start == 0 or not _has_flash_lse(x):
+        if torch.is_grad_enabled() or start == 0 or not has_flash_lse(x):
             return False
         if self.kind == "full":
             return cache.k is not None and self.slices is None
@@ -154,7 +154,7 @@ class Attention(nn.Module):
             shared_ok = pos.new_ones(T, shared_k.shape[2], dtype=torch.bool)
             own_ok = pos[None, :] <= pos[:, None]  # (T, T) causal
         else:  # the raw window as `windowed_attention` reads it: the cached raw tokens, then the rows' own
-            window = _raw_mask(torch.cat([cache.raw_pos, pos]), pos, self.local, None)  # (T, L-1+T)
+            window = raw_mask(torch.cat([cache.raw_pos, pos]), pos, self.local, None)  # (T, L-1+T)
             shared_k, shared_v = cache.raw_k, cache.raw_v
             shared_ok, own_ok = window[:, :self.local - 1], window[:, self.local - 1:]
             if cache.entries_k is not None:  # complete windows of the context: every query reads them

@@ -9,8 +9,8 @@ runs it on token ids (B, T) -> (B, T, V); attention modules with an `o_proj` ser
   transformers  any transformers causal LM from a `TransformersModelConfig` (`model_type` plus that
                 config class's fields, e.g. Qwen3ForCausalLM); transformers' classes are used as
                 they are, never re-implemented.  A text model transformers ships only inside a
-                multimodal class (GLM-5.3's) gets a linear LM head (`phasekv.textlm.TextCausalLM`).
-                Models with a sparse-attention indexer (`phasekv.indexer`) run eager attention: their
+                multimodal class (GLM-5.3's) gets a linear LM head (`phasekv.hf.textlm.TextCausalLM`).
+                Models with a sparse-attention indexer (`phasekv.archs.indexer_kl`) run eager attention: their
                 indexer objective reads the main attention's probabilities, which only the eager path
                 returns.  What phasekv knows of each transformers architecture lives in `phasekv.archs`.
 
@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from phasekv.archs import architecture_of, geometry_of
-from phasekv.archs import repeat_rows as repeat_cache  # noqa: F401  (re-exported: shared prefill in adapters/presses.py)
+from phasekv.archs.indexer_kl import indexers_of
 from phasekv.config import ModelConfig, TransformersModelConfig
-from phasekv.indexer import indexers_of
-from phasekv.memory import GIB, available_memory, check_budget  # noqa: F401 (GIB, available_memory: re-exported)
+from phasekv.hf.textlm import TextCausalLM
+from phasekv.memory import check_budget
 from phasekv.model import PhaseKVForCausalLM, build_model
-from phasekv.textlm import TextCausalLM
 
 ModelConfigLike = ModelConfig | TransformersModelConfig
 

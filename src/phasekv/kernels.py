@@ -75,7 +75,7 @@ def _owned(owner: torch.Tensor | None, H: int, G: int, device: torch.device) -> 
     return owner.to(device)[None, :] == torch.arange(H, device=device)[:, None] // G
 
 
-def _raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int, int] | None) -> torch.Tensor:
+def raw_mask(kp: torch.Tensor, q_pos: torch.Tensor, local: int, tail: tuple[int, int] | None) -> torch.Tensor:
     """(nb, nb+local-1) True where a block's query i (position q_pos[i]) may read raw key j (position kp[j]):
     its own window is keys i..i+local-1, without empty slots and, with `tail`, without compressed tokens."""
     nb = q_pos.shape[0]
@@ -91,15 +91,15 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _has_flash_lse(t: torch.Tensor) -> bool:
+def has_flash_lse(t: torch.Tensor) -> bool:
     """`_flash` runs on t's device: torch's flash kernel with log-sum-exp is CPU-only (meta shapes it too)."""
     return t.device.type in ("cpu", "meta")
 
 
 def _parts_pay(q: torch.Tensor, vis: Visible) -> bool:
-    """`attention_by_parts` applies (`regular_entries`, `_has_flash_lse`) and is the faster path (PARTS_MIN_PAIRS)."""
+    """`attention_by_parts` applies (`regular_entries`, `has_flash_lse`) and is the faster path (PARTS_MIN_PAIRS)."""
     return q.shape[3] * (0 if vis.entries_k is None else vis.entries_k.shape[2]) >= PARTS_MIN_PAIRS and \
-        _has_flash_lse(q) and regular_entries(vis)
+        has_flash_lse(q) and regular_entries(vis)
 
 
 def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -149,7 +149,7 @@ def windowed_attention(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor
         m = mask[:, :, :nb]  # (B|1, H|1, nb, R+E+N)
         regular = tail is None and nb == nq and a >= local - 1  # slots before index local-1 may be empty
         if not (regular and band):
-            ok = _raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)  # (nb, nb+L-1)
+            ok = raw_mask(k_pos[a:b + local - 1], q_dev[a:b], local, tail)  # (nb, nb+L-1)
             m[..., :R] = torch.where(F.pad(ok, (0, R - ok.shape[1])), zero, minus_inf)
             band = regular
         if n:
@@ -218,7 +218,7 @@ def _band(q: torch.Tensor, q_pos: torch.Tensor, k_all: torch.Tensor, v_all: torc
         if steady and regular is not None:
             ok, mask = regular
         else:
-            ok = _raw_mask(k_pos[a:b + local - 1], q_pos[a:b], local, tail)  # (nb, nb+L-1)
+            ok = raw_mask(k_pos[a:b + local - 1], q_pos[a:b], local, tail)  # (nb, nb+L-1)
             mask = torch.where(ok, zero, minus_inf)[None, None]
             regular = (ok, mask) if steady else None
         o, lse = _flash(q[:, :, :, a:b], k_all[:, :, a:b + local - 1], v_all[:, :, a:b + local - 1], mask=mask)

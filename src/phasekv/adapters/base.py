@@ -3,7 +3,7 @@
 An adapter scores next-token logits for batches of token ids, either in one forward pass or by
 prefilling shared contexts once and continuing several queries from the cache.  phasekv models
 (`phasekv.adapters.phasekv`), transformers causal LMs (`phasekv.adapters.hf`) and served models
-(`phasekv.adapters.endpoint`) implement it; probes attach PyTorch hooks to `adapter.attention_layers()`
+(`phasekv.engines.client`) implement it; probes attach PyTorch hooks to `adapter.attention_layers()`
 (each layer's `self_attn` and its output projection, `o_proj` or the module the model's architecture
 names in `phasekv.archs`, have the same roles in every family).
 

@@ -3,7 +3,7 @@
 Everything phasekv knows about an architecture beyond "a causal LM" (its chunked-compression geometry, its
 knockout hook target, its compressor gates and what gate cycling rolls, its sparse-attention indexer's training
 objective, how its cache is repeated for shared prefill) lives in its own file here; the generic modules
-(`phasekv.families`, `phasekv.indexer`, `phasekv.adapters`, `phasekv.probes`, `phasekv.report`) ask
+(`phasekv.families`, `phasekv.archs.indexer_kl`, `phasekv.adapters`, `phasekv.probes`, `phasekv.report`) ask
 `architecture_of(model)`.  The interface: `phasekv.archs.base`.
 
 Adding an architecture: one file in this package (an `Architecture` subclass decorated with `@register`), one

@@ -9,7 +9,7 @@ LM offers lives in one `Architecture` subclass, in its own file of this package,
                             knockout hooks sit
   gate_layers(model)        compressor modules whose gate softmax the probes recompute from the module's own weights
   cycled_layers(model)      the offset-indexed gate parameters that gate cycling rolls
-  indexer_kinds()           its sparse-attention indexers and their distillation objective (`phasekv.indexer`)
+  indexer_kinds()           its sparse-attention indexers and their distillation objective (`training.indexer_kl`)
   repeat_cache(...)         one prefilled cache repeated per query row (shared-prefill evaluation)
 
 The base class is the dense default (Qwen3, Llama: `o_proj`, no compression, no gates, no indexer), so an
@@ -89,7 +89,7 @@ def _one_token(indexer: nn.Module) -> int:
 
 @dataclass
 class IndexerKind:
-    """How one transformers indexer class is hooked (`phasekv.indexer`): the indexer, its attention module, and
+    """How one transformers indexer class is hooked (`training.indexer_kl`): the indexer, its attention module, and
     `record`, which turns one indexer call (module, args, kwargs, output, scorer output) into (scores (B, S, C),
     candidates (B, S, C) bool, selected (B, S, C) bool, pools (B, C, kpool) or None)."""
 

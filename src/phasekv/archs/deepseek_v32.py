@@ -4,7 +4,7 @@ the dense default's knockout target) with token-level DeepSeek Sparse Attention.
 No geometry: the lightning indexer scores every past token and keeps the top k, so there is no window grid and no
 phase stride.  Indexer (`DeepseekV32Indexer`): candidates are tokens; the real indexer runs under no_grad, so its
 scores are recomputed from its own submodules on its detached inputs (`scores`, checked against the real module's
-selection in tests/test_realarch.py) for the KL distillation of `phasekv.indexer`.
+selection in tests/test_realarch.py) for the KL distillation of `phasekv.archs.indexer_kl`.
 """
 
 from __future__ import annotations

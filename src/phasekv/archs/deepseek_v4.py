@@ -28,7 +28,7 @@ W != S compressor (`phasekv.probes.cycle` refuses it).
 
 Indexer (`DeepseekV4Indexer`): candidates are compressed entries (one per m tokens), the attention's trailing key
 columns after the raw window; the scores are the output of the real `DeepseekV4IndexerScorer` (differentiable),
-with the indexer's inputs detached by a pre-hook (`phasekv.indexer`).
+with the indexer's inputs detached by a pre-hook (`phasekv.archs.indexer_kl`).
 """
 
 from __future__ import annotations

@@ -27,8 +27,6 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from phasekv.memory import check_budget  # noqa: F401 (re-exported: its old home)
-
 # seconds a failing rank other than 0 waits before exiting (measured: under load torchrun killed rank 0 before it
 # printed, when rank 1 failed first)
 RANK_ERROR_GRACE_S = 10.0

@@ -75,9 +75,9 @@ def add_parser(sub) -> None:
 def check_flags(args, conditions: tuple[str, ...]) -> None:
     """Every flag, checked before anything is loaded (a GGUF model takes most of a minute): counts, the device, the
     format file, the conditions, and the prompt set's size against the memory available now."""
-    from phasekv.adapters.conditions import Geometry, check_conditions, check_served
     from phasekv.cli import check_positive
     from phasekv.cli.flags import check_prompt_count
+    from phasekv.conditions.grammar import Geometry, check_conditions, check_served
     from phasekv.data.formats import load_format
     from phasekv.distributed import resolve_device
 
@@ -101,11 +101,11 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 
 
 def run(args) -> dict[str, Any]:
-    from phasekv.adapters.endpoint import check_reference, open_endpoint
     from phasekv.adapters.hf import load_hf
+    from phasekv.audit.pipeline import run_audit
     from phasekv.config import audit_config
+    from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
-    from phasekv.report.audit import run_audit
 
     conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
@@ -153,7 +153,7 @@ def run(args) -> dict[str, Any]:
 
 def check_gate_flags(args) -> dict[str, Any] | None:
     """--expect's file, read and checked before anything runs (None without it); --write-expect's directory."""
-    from phasekv.evaluate.expect import load_expectations
+    from phasekv.audit.expect import load_expectations
 
     if (args.expect or args.write_expect) and not (args.endpoint or args.launch):
         raise ValueError("--expect/--write-expect: gate a served model: need --endpoint or --launch")
@@ -166,8 +166,8 @@ def check_gate_flags(args) -> dict[str, Any] | None:
 
 def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
     """Write this run's expectations (--write-expect), then hold it to the given ones (--expect: GateFailed)."""
+    from phasekv.audit.expect import check_expectations, write_expectations
     from phasekv.cli import GateFailed
-    from phasekv.evaluate.expect import check_expectations, write_expectations
     from phasekv.outputs import write_json
 
     if args.write_expect:

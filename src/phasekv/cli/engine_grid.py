@@ -1,6 +1,6 @@
 """`phasekv audit --launch llama-server [--engine-bin PATH] [--engine-model FILE] --engine-grid ubatch=16,64 ...
 --tokenizer DIR [--gguf-file NAME] --reference-hf DIR --out OUT`: the engine started by phasekv once per grid point
-(`phasekv.evaluate.engine_grid`); `--launch vllm` serves the --tokenizer folder (or --engine-model DIR) with the
+(`phasekv.audit.engine_grid`); `--launch vllm` serves the --tokenizer folder (or --engine-model DIR) with the
 Python of `make vllm`'s environment.  Every flag and every grid value is checked before the reference loads."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 def grid_of(args):
     """The EngineGrid the flags describe (checked: the engine, its binary, the model file, every grid value)."""
-    from phasekv.adapters.launchers import default_binary, launcher, parse_grid
-    from phasekv.evaluate.engine_grid import EngineGrid
+    from phasekv.audit.engine_grid import EngineGrid
+    from phasekv.engines.base import parse_grid
+    from phasekv.engines.registry import default_binary, launcher
 
     engine = launcher(args.launch)
     points = parse_grid(engine, args.engine_grid)
@@ -65,8 +66,8 @@ def served_model(engine, args) -> Path:
 
 def checks_of(args) -> dict:
     """The per-point checks --engine-checks names, in the order of the grid's table."""
-    from phasekv.evaluate.decode import decode_check
-    from phasekv.evaluate.engine_paths import paths_check
+    from phasekv.audit.decode import decode_check
+    from phasekv.audit.engine_paths import paths_check
 
     limit = args.check_prompts or None
     made = {"decode": lambda: decode_check(args.decode_steps, limit),
@@ -77,8 +78,8 @@ def checks_of(args) -> dict:
 
 def run_launched(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf, load_tokenizer
+    from phasekv.audit.engine_grid import check_work_dir, run_grid
     from phasekv.config import audit_config
-    from phasekv.evaluate.engine_grid import check_work_dir, run_grid
     from phasekv.outputs import check_output_dir
 
     grid = grid_of(args)

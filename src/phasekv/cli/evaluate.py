@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> dict[str, Any]:
-    from phasekv.adapters.endpoint import check_reference
+    from phasekv.engines.client import check_reference
     from phasekv.evaluate.runner import run_eval
 
     check_source_flags(args)
@@ -52,8 +52,8 @@ def run(args) -> dict[str, Any]:
 
 def run_endpoint(args) -> dict[str, Any]:
     """`phasekv eval --endpoint`: the flags' prompt set through the served model (and through --reference-hf)."""
-    from phasekv.adapters.endpoint import open_endpoint
     from phasekv.config import EvalConfig, from_section
+    from phasekv.engines.client import open_endpoint
     from phasekv.evaluate.served import evaluate_endpoint
     from phasekv.outputs import check_output_dir
 

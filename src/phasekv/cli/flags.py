@@ -80,7 +80,7 @@ def add_launch_arguments(p, source) -> None:
 
 def endpoint_options(args):
     """The EndpointOptions of the --endpoint flags (unset ones at EndpointOptions' defaults)."""
-    from phasekv.adapters.endpoint import EndpointOptions
+    from phasekv.engines.client import EndpointOptions
 
     given = {name: getattr(args, name) for name in ("api", "concurrency", "timeout") if getattr(args, name) is not None}
     return EndpointOptions(args.endpoint, tokenizer=args.tokenizer, gguf_file=getattr(args, "gguf_file", None),
@@ -101,7 +101,7 @@ def check_source_flags(args) -> None:
             if value is not None and value is not False:  # 0 is given (`0 in (None, False)` would say it is not)
                 raise ValueError(f"--{name.replace('_', '-')}: applies to --endpoint only, not to {source}: drop it")
         return
-    from phasekv.adapters.endpoint import check_endpoint_options
+    from phasekv.engines.client import check_endpoint_options
 
     for name in IN_PROCESS_ONLY:
         if getattr(args, name, None) is not None and (name == "device_map" or args.reference_hf is None):

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> None:
-    from phasekv.report.findings import count_line
+    from phasekv.report.claims import count_line
     from phasekv.report.reasons import reason_text
     from phasekv.report.reproduce import reproduce
 

@@ -38,7 +38,7 @@ def run(args) -> None:
     import torch.distributed as dist
 
     from phasekv.memory import check_budget
-    from phasekv.train import train
+    from phasekv.training.loop import train
 
     exp = Experiment.from_file(args.config, args.overrides)
     micro, need = activation_bytes(exp, int(os.environ.get("WORLD_SIZE", 1)))

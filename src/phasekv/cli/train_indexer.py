@@ -1,6 +1,6 @@
 """`phasekv train-indexer --hf DIR [--gguf-file NAME] [--kind glm5|minimax] --pool 4 --out OUT`: transformers'
 GLM-5.3 k-pool indexer (`Glm5NextTextIndexer`) or MiniMax-M3 block indexer (`MiniMaxM3VLIndexer`, one head per KV
-group), one per layer, distilled onto a frozen dense LM (`phasekv.train_indexer`); OUT then serves
+group), one per layer, distilled onto a frozen dense LM (`phasekv.training.distill_indexer`); OUT then serves
 `phasekv audit --compress none kpool:pool=4,...,indexer=distilled:OUT` (heads=kv for minimax).  The work is kept in
 .OUT.partial beside OUT until it is complete (a killed run resumes from the features it had computed) and then
 published as OUT."""
@@ -44,7 +44,7 @@ def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
     from phasekv.archs.base import text_config
     from phasekv.outputs import check_output_dir, mark, publish_checked
-    from phasekv.train_indexer import IndexerTraining, train_indexer
+    from phasekv.training.distill_indexer import IndexerTraining, train_indexer
 
     if not args.lr > 0:
         raise ValueError(f"--lr: must be > 0, got {args.lr}")

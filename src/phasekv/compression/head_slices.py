@@ -1,5 +1,5 @@
 """Head-partitioned history as a layer kind of phasekv's own models, so a model can be trained with it
-(docs/heads.md).  The training-free condition for transformers models is `phasekv.adapters.head_slices`.
+(docs/heads.md).  The training-free condition for transformers models is `phasekv.conditions.head_slices`.
 
 A layer of kind "slices" is full causal attention in which each head group (a KV head with the query heads that
 read it, or with `group: query` each query head) reads only its own slice of the past, defined by position, plus
@@ -72,7 +72,7 @@ def slice_keep(key_pos: torch.Tensor, query_pos: torch.Tensor, *, size: int, gro
                offset: int | torch.Tensor, sink: int, local: int) -> torch.Tensor:
     """(B | 1, G, Tq, Tk) bool, before the causal order: the keys of each group's slice (owner(s), with `offset`
     an int or one per row, (B,)) plus the sink and local tail every group reads.  Shared by this layer kind and the
-    training-free condition (`phasekv.adapters.head_slices`)."""
+    training-free condition (`phasekv.conditions.head_slices`)."""
     o = torch.as_tensor(offset, device=key_pos.device).reshape(-1, 1, 1, 1)
     owner = torch.div(key_pos + o, size, rounding_mode="floor") % groups  # (B | 1, 1, 1, Tk)
     mine = owner == torch.arange(groups, device=key_pos.device).view(1, groups, 1, 1)  # (B | 1, G, 1, Tk)

@@ -174,7 +174,7 @@ def audit_config(**given: Any) -> EvalConfig:
 
 @dataclass(frozen=True)
 class AuditPlan:
-    """What an audit evaluates on its prompt sets: the conditions (`phasekv.adapters.conditions`; `none`, the
+    """What an audit evaluates on its prompt sets: the conditions (`phasekv.conditions.grammar`; `none`, the
     capability gate, always runs first), the window W of the compressing conditions, the protocols and the prompts
     per phase of each protocol's set."""
 

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from phasekv.config import MAX_CONFIG_BYTES, check_fields, from_section, parse_yaml, spec
-from phasekv.data.vocab import _BASE, _words
+from phasekv.data.vocab import BASE_WORDS, numbered_words
 
 PROSE = "{prose}"  # where a long-context format's preamble goes in its header
 _PREAMBLE_SEED = 7  # the fixed sentence order of the preamble's passes: the same prose in every prompt
@@ -137,7 +137,7 @@ FORMATS = {
                          filler=" um"),
 }
 # the answer is several tokens (four digits and a period with SmolLM2's digit-by-digit tokenizer): the decode-step
-# audit compares every one of them (`phasekv.evaluate.decode`)
+# audit compares every one of them (`phasekv.audit.decode`)
 FORMATS["needle-digits"] = dataclasses.replace(FORMATS["needle"], name="needle-digits", values="digits:4")
 # the long-context formats: (base format, its header with the preamble, preamble tokens per size); with SmolLM2's
 # tokenizer and the settings of the module docstring their prompts are 4,026-4,091 / 8,102-8,155 tokens (both
@@ -195,8 +195,8 @@ def _kind_texts(kind: str) -> list[str]:
     if kind.startswith("digits:"):
         n = int(kind[7:])
         return [str(v) for v in range(10 ** (n - 1), 10 ** n)]
-    base = _BASE[WORD_KINDS[kind]]
-    return list(base) if kind.endswith("-plain") else _words(base, 4 * len(base))
+    base = BASE_WORDS[WORD_KINDS[kind]]
+    return list(base) if kind.endswith("-plain") else numbered_words(base, 4 * len(base))
 
 
 def _modal(pieces: dict[str, tuple[int, ...]], by_first: bool = False) -> dict[str, tuple[int, ...]]:

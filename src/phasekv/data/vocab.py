@@ -55,11 +55,11 @@ child people go come make take give find walk read write sing open close bring k
 went said under over near after before
 """
 
-_BASE = {g: text.split() for g, text in
+BASE_WORDS = {g: text.split() for g, text in
          {"keys": _ANIMALS, "values": _NAMES, "fillers": _FILLERS, "background": _BACKGROUND}.items()}
 
 
-def _words(base: Sequence[str], n: int) -> list[str]:
+def numbered_words(base: Sequence[str], n: int) -> list[str]:
     """The first n words of `base` followed by the hyphenated pairs "a-b" (a != b), in a fixed order."""
     out = list(base[:n])
     for a, b in product(base, base):
@@ -88,7 +88,7 @@ class Vocabulary:
         for name, n in sizes.items():
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"n_{name}: must be a positive integer, got {n!r}")
-        self._init({"specials": list(SPECIALS), **{g: _words(_BASE[g], n) for g, n in sizes.items()}})
+        self._init({"specials": list(SPECIALS), **{g: numbered_words(BASE_WORDS[g], n) for g, n in sizes.items()}})
 
     def _init(self, groups: Mapping[str, Sequence[str]]) -> None:
         if sorted(groups) != sorted(GROUPS):

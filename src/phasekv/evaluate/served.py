@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from phasekv.adapters.base import Adapter, Wrapped
-from phasekv.adapters.endpoint import EndpointAdapter
-from phasekv.adapters.journal import prompt_key, published
 from phasekv.data.protocols import EvalSet
+from phasekv.engines.client import EndpointAdapter
+from phasekv.engines.journal import prompt_key, published
 from phasekv.evaluate.metrics import wilson_interval
 from phasekv.evaluate.runner import predict
 from phasekv.outputs import write_json

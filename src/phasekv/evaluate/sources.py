@@ -25,7 +25,7 @@ from phasekv.adapters.phasekv import adapter_for
 from phasekv.checkpoint import load_checkpoint, read_experiment, resolve
 from phasekv.config import DataConfig, EvalConfig, from_section
 from phasekv.data.protocols import EvalSet, build_eval_set
-from phasekv.data.vocab import _BASE, Vocabulary, _words
+from phasekv.data.vocab import BASE_WORDS, Vocabulary, numbered_words
 from phasekv.distributed import resolve_device
 
 DEFAULT_STRIDE = 8  # phase stride assumed for models without compression (override with stride)
@@ -191,7 +191,7 @@ class TokenizerVocabulary:
         taken: set[int] = set()
         for group, n in need.items():
             found = []
-            for word in _words(_BASE[group], 4 * len(_BASE[group])):
+            for word in numbered_words(BASE_WORDS[group], 4 * len(BASE_WORDS[group])):
                 ids = tokenizer.encode(" " + word, add_special_tokens=False)
                 if len(ids) == 1 and ids[0] not in taken:
                     found.append(ids[0])

@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from phasekv.export.gguf_tokenizer import word_merges, word_tokenizer, word_tokens
+
 log = logging.getLogger(__name__)
 
 ARCH = "deepseek4"
@@ -125,7 +127,7 @@ def widen(model: nn.Module) -> nn.Module:
     wide_config.hc_mult, wide_config.index_head_dim = HC_STREAMS, d_new
     state = {name: t.detach().float() if t.is_floating_point() else t for name, t in model.state_dict().items()}
     if config.hc_mult == 1:
-        state = _widen_streams(state)
+        state = widen_streams(state)
     if d_new != config.index_head_dim:
         state = _pad_indexer(state, config, d_new)
     wide = families.build(wide_config)
@@ -133,7 +135,7 @@ def widen(model: nn.Module) -> nn.Module:
     return wide.float().eval()
 
 
-def _widen_streams(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def widen_streams(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """1-stream hyper-connections as HC_STREAMS identical streams (the module docstring says why this is exact)."""
     n = HC_STREAMS
     out = dict(state)
@@ -285,61 +287,6 @@ def gguf_metadata(config: Any) -> dict[str, Any]:
         key("hyper_connection.epsilon"): float(config.hc_eps),
         key("hash_layer_count"): sum(t == "hash_moe" for t in config.mlp_layer_types),
     }
-
-
-# ---------------------------------------------------------------------------------------------- tokenizer
-
-
-def word_tokens(vocab: Any, size: int) -> list[str]:
-    """One token per id: the vocabulary's words, then `[PADn]` for the embedding rows no word uses."""
-    if vocab.size > size:
-        raise ValueError(f"model.vocab_size: {size} ids cannot hold the vocabulary's {vocab.size} words")
-    return [*vocab.words, *(f"[PAD{i}]" for i in range(vocab.size, size))]
-
-
-def bpe_split(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """`word` byte-pair merged as llama.cpp's BPE session does: the lowest-ranked adjacent pair (leftmost on a
-    tie) merges first, one pair at a time, until no pair has a rank."""
-    symbols = list(word)
-    while len(symbols) > 1:
-        rank, i = min((ranks.get((a, b), len(ranks)), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])))
-        if rank == len(ranks):
-            break
-        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
-    return symbols
-
-
-def word_merges(words: list[str]) -> list[str]:
-    """Merges ("left right") under which every word of `words` is rebuilt from its characters.  Each word first
-    gets the chain of its prefixes; a word another word's merges break up (a pair of its letters merged first
-    elsewhere, e.g. "o n" of "on" inside "salmon") then gets merges joining the pieces it stops at, ranked after
-    all earlier ones, so they never fire in a word that already completes."""
-    merges: list[tuple[str, str]] = []
-    for word in words:
-        merges += [(word[:i], word[i]) for i in range(1, len(word))]
-    ranks: dict[tuple[str, str], int] = {}
-    for pair in merges:
-        ranks.setdefault(pair, len(ranks))
-    for word in words:
-        pieces = bpe_split(word, ranks)
-        while len(pieces) > 1:
-            ranks.setdefault((pieces[0], pieces[1]), len(ranks))
-            pieces = [pieces[0] + pieces[1], *pieces[2:]]
-    return [f"{a} {b}" for (a, b), _ in sorted(ranks.items(), key=lambda kv: kv[1])]
-
-
-def word_tokenizer(vocab: Any, size: int):
-    """The vocabulary as a transformers tokenizer: whitespace-separated words, one id each (`word_tokens`), <bos>
-    as bos, <pad> as pad and eos (DeepSeek-V4's config defaults, bos 0 and eos 1); an unknown word is an error."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = word_tokens(vocab, size)
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=tokens[vocab.bos], pad_token="<pad>",
-                                   eos_token="<pad>")
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -11,7 +11,7 @@ and v_b as for DeepSeek-V3.2.
 
 One llama.cpp limit is met by widening the model exactly (`widen`): llama.cpp asserts 4 hyper-connection streams
 (`GGML_ASSERT(hparams.dsv4_hc_mult == 4)` in load_arch_hparams); phasekv's small models have 1.  The 4 streams are
-identical copies, as for DeepSeek-V4 (`phasekv.export.gguf._widen_streams`, whose docstring says why that is exact);
+identical copies, as for DeepSeek-V4 (`phasekv.export.gguf.widen_streams`, whose docstring says why that is exact);
 GLM-5.3's head averages the streams, and the mean of 4 copies is the copy.
 
 Refused in one line (`check_exportable`): RoPE in the MLA (llama.cpp's glm5-next is nope-only), KDA heads other than
@@ -62,7 +62,7 @@ def widen(model: nn.Module) -> nn.Module:
     """The same function with HC_STREAMS identical hyper-connection streams (a new float32 model in eval mode;
     `model` itself when it already has them)."""
     from phasekv import families
-    from phasekv.export.gguf import _widen_streams
+    from phasekv.export.gguf import widen_streams
 
     config = model.config
     check_exportable(config)
@@ -72,7 +72,7 @@ def widen(model: nn.Module) -> nn.Module:
     wide_config.hc_mult = HC_STREAMS
     state = {name: t.detach().float() if t.is_floating_point() else t for name, t in model.state_dict().items()}
     wide = families.build(wide_config)
-    wide.load_state_dict(_widen_streams(state), strict=True)
+    wide.load_state_dict(widen_streams(state), strict=True)
     return wide.float().eval()
 
 

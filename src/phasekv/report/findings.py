@@ -35,138 +35,50 @@ The claims (thresholds are the paper's numbers or phasekv's stated verdict const
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
-from phasekv.evaluate.verdict import CHANCE_FACTOR, FLATNESS_ALPHA, MATERIAL_GAP_PP, material_gap_bound, verdict_period
+from phasekv.evaluate.verdict import FLATNESS_ALPHA, MATERIAL_GAP_PP, verdict_period
 from phasekv.probes.cycle_outcome import OUTCOMES
-
-FULL_FLAT_PP = 6.1  # the paper's largest full-attention phase gap
-W8S8_WORST_PCT = 20.0  # the paper's W8/S8 worst phases: 5.7% (1 KV), 9.9% (8 KV)
-WITHIN_WINDOW_PP = 50.0  # the paper: phases 0..6 of W8/S8 spread by more than 50 points
-COVERED_PCT = 40.0  # a phase is covered when its accuracy is above 40% (Wilson interval)
-W8S8_COVERED = 3  # phases above 40% that the paper's W8/S8 numbers force
-CYCLING_R2 = 0.66  # the paper's lowest R^2 excluding the boundary phase
-CYCLING_DELTAS_NEEDED = 4  # of the 6 non-zero deltas
-STATUSES = ("holds", "fails", "inconclusive", "not measured")
-
-
-def judge(interval: list[float] | None, threshold: float, above: bool = True) -> str:
-    """The one rule: 'holds' when the interval lies on the claimed side of the threshold (above it, or below it
-    with above=False), 'fails' when it lies on the other side, 'inconclusive' when it spans it."""
-    if interval is None:
-        return "inconclusive"
-    low, high = interval
-    if above:
-        return "holds" if low >= threshold else "fails" if high < threshold else "inconclusive"
-    return "holds" if high < threshold else "fails" if low >= threshold else "inconclusive"
-
-
-def difference_interval(a: float, ci_a: list[float] | None, b: float, ci_b: list[float] | None) -> list[float] | None:
-    """95% interval of b - a from the two models' own intervals (normal approximation, independent models)."""
-    if ci_a is None or ci_b is None:
-        return None
-    half = math.hypot((ci_a[1] - ci_a[0]) / 2, (ci_b[1] - ci_b[0]) / 2)
-    return [b - a - half, b - a + half]
-
-
-def count(found: list[dict[str, Any]]) -> dict[str, int]:
-    """Findings per status (every status present, zeros included)."""
-    return {status: sum(f["status"] == status for f in found) for status in STATUSES}
-
-
-def count_line(found: list[dict[str, Any]]) -> str:
-    """'27 hold, 3 fail, 5 inconclusive of 35 (2 not measured)'."""
-    c = count(found)
-    judged = c["holds"] + c["fails"] + c["inconclusive"]
-    line = f"{c['holds']} hold, {c['fails']} fail, {c['inconclusive']} inconclusive of {judged}"
-    return line + (f" ({c['not measured']} not measured: models missing)" if c["not measured"] else "")
-
-
-def _finding(claim: str, paper: str, rule: str, measured: str, status: str, value: float | None = None, *,
-             interval: list[float] | None = None, threshold: float | None = None, why: str | None = None,
-             **extra: Any) -> dict[str, Any]:
-    assert status in STATUSES, status
-    return {"claim": claim, "paper": paper, "rule": rule, "measured": measured, "status": status,
-            "holds": {"holds": True, "fails": False}.get(status), "value": value, "interval": interval,
-            "threshold": threshold, **({"why": why} if why else {}), **extra}
-
-
-def family(m: dict[str, Any]) -> tuple:
-    """What two models must share to be compared: model family (phasekv or transformers; a transformers model also
-    its architecture: Qwen3 and DeepSeek-V3.2 are different networks), KV heads, layers, width."""
-    fam = m.get("family", "phasekv")
-    return fam, m.get("architecture") if fam == "transformers" else None, m["kv_heads"], m["layers"], m["hidden"]
-
-
-def _without_kv(m: dict[str, Any]) -> tuple:
-    """`family` except the KV heads (full-attention models compared across KV heads)."""
-    fam, arch, _, layers, hidden = family(m)
-    return fam, arch, layers, hidden
-
-
-def kind(m: dict[str, Any]) -> str:
-    """Short variant name: full, W8/S8, W8/S8 uniform, W8/S8 shared, W8/S8 stagger, csa..."""
-    if m["compressor"] == "none":
-        return "full"
-    base = f"W{m['window']}/S{m['stride']}" if m["compressor"] == "gated" else m["compressor"]
-    extras = [flag for flag, on in (("uniform", m["uniform"]), ("stagger", m.get("staggered")),
-                                    ("shared", m.get("shared_payload") and not m["uniform"])) if on]
-    return " ".join([base, *extras])
-
-
-def _ci(ci: list[float] | None, digits: int = 1) -> str:
-    return "" if ci is None else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
-
-
-def _curve(p: dict[str, Any]) -> str:
-    return "per phase " + " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_phase"])
-
-
-def _gap(p: dict[str, Any]) -> tuple[float, list[float] | None]:
-    """The selection-free (cross-fitted) best-minus-worst gap and its 95% interval (pp): flatness and orderings."""
-    value = p.get("gap_crossfit_pp")
-    return (p["max_gap_pp"] if value is None else value), p.get("gap_crossfit_ci_pp")
-
-
-def _dip(p: dict[str, Any]) -> tuple[float | None, list[float] | None]:
-    """The dip the verdict's material rule trusts and its one-sided 95% bounds (pp): `verdict.material_gap_bound`."""
-    _, bounds, _ = material_gap_bound(p)
-    return p.get("contrast_crossfit_pp"), bounds
-
-
-def _mean(p: dict[str, Any]) -> tuple[float, list[float] | None]:
-    return 100 * p["mean_accuracy"], [100 * x for x in p["mean_ci"]] if p.get("mean_ci") else None
-
-
-def _gate(p: dict[str, Any]) -> float:
-    """The capability gate in %: 2 x the in-context chance."""
-    return 100 * CHANCE_FACTOR * p["in_context_chance"]
-
-
-def _unable(p: dict[str, Any]) -> str | None:
-    """Why a phase claim about this protocol result is empty (the model cannot do the task), else None."""
-    if p["can_do_task"]:
-        return None
-    return f"inconclusive: cannot do the task (mean {100 * p['mean_accuracy']:.1f}% vs gate {_gate(p):.1f}%)"
+from phasekv.report.claims import (
+    COVERED_PCT,
+    CYCLING_DELTAS_NEEDED,
+    CYCLING_R2,
+    FULL_FLAT_PP,
+    W8S8_COVERED,
+    W8S8_WORST_PCT,
+    WITHIN_WINDOW_PP,
+    ci_text,
+    curve_text,
+    difference_interval,
+    dip_of,
+    family,
+    finding,
+    gap_of,
+    gate_of,
+    judge,
+    kind,
+    mean_of,
+    unable_reason,
+    without_kv,
+)
 
 
 def learns(name: str, p: dict[str, Any], paper: str) -> dict[str, Any]:
-    value, ci = _mean(p)
-    gate = _gate(p)
-    return _finding(f"{name}: learns the task (mean above 2 x in-context chance)", paper,
+    value, ci = mean_of(p)
+    gate = gate_of(p)
+    return finding(f"{name}: learns the task (mean above 2 x in-context chance)", paper,
                     f"mean's 95% interval above {gate:.1f}% (2 x in-context chance)",
-                    f"mean {value:.1f}% {_ci(ci)}", judge(ci, gate), value, interval=ci, threshold=gate,
+                    f"mean {value:.1f}% {ci_text(ci)}", judge(ci, gate), value, interval=ci, threshold=gate,
                     kind="learns", model=name)
 
 
 def flat(name: str, p: dict[str, Any], what: str = "full attention") -> dict[str, Any]:
-    value, ci = _gap(p)
-    why = _unable(p)
-    return _finding(f"{name}: {what} is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
+    value, ci = gap_of(p)
+    why = unable_reason(p)
+    return finding(f"{name}: {what} is flat", f"full-attention gaps within {FULL_FLAT_PP} pp (3.1 at 1 KV, "
                     "4.3 at 8 KV)", f"selection-free gap's 95% interval below {FULL_FLAT_PP} pp, for a model that "
-                    "can do the task", f"gap {value:.1f} pp {_ci(ci)}, flatness p = {p['flatness_p']:.3g}",
+                    "can do the task", f"gap {value:.1f} pp {ci_text(ci)}, flatness p = {p['flatness_p']:.3g}",
                     "inconclusive" if why else judge(ci, FULL_FLAT_PP, above=False), value, interval=ci,
                     threshold=FULL_FLAT_PP, why=why, kind="flat", model=name)
 
@@ -175,10 +87,10 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
     """Status of "phase sensitive with period S": the three-part verdict on the interval rule (fails when flatness
     is not rejected or the gap's whole interval is below the minimum; inconclusive while it spans the minimum), then
     the detected period must equal S."""
-    why = _unable(p)
+    why = unable_reason(p)
     if why:
         return "inconclusive", why
-    _, bounds = _dip(p)
+    _, bounds = dip_of(p)
     if p["flatness_p"] >= FLATNESS_ALPHA:
         return "fails", None
     material = judge(bounds, MATERIAL_GAP_PP)
@@ -190,30 +102,30 @@ def phase_status(p: dict[str, Any], stride: int) -> tuple[str, str | None]:
 
 
 def _dip_text(p: dict[str, Any]) -> str:
-    value, bounds = _dip(p)
+    value, bounds = dip_of(p)
     if value is None:
         return "phase contrast not bounded (too few clusters)"
-    return f"phase contrast {value:.1f} pp {_ci(bounds)}"
+    return f"phase contrast {value:.1f} pp {ci_text(bounds)}"
 
 
 def periodic(name: str, m: dict[str, Any], paper: str, claim: str | None = None, extra: str = "") -> dict[str, Any]:
     p, stride = m["prefix"], m["stride"]
-    value, bounds = _dip(p)
+    value, bounds = dip_of(p)
     status, why = phase_status(p, stride)
-    return _finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
+    return finding(claim or f"{name}: phase sensitive with period S = {stride}", paper,
                     f"can do the task, flatness rejected at {FLATNESS_ALPHA:.0%}, selection-free phase contrast's "
                     f"one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, gap above the null's 95th percentile, "
                     f"period = {stride}",
                     f"mean {100 * p['mean_accuracy']:.1f}%, gap {p['max_gap_pp']:.1f} pp (null 95th percentile "
                     f"{p['null_gap_p95_pp']:.1f}), {_dip_text(p)}, period {verdict_period(p)}, flatness p = "
-                    f"{p['flatness_p']:.3g}, {_curve(p)}{extra}", status, value, interval=bounds,
+                    f"{p['flatness_p']:.3g}, {curve_text(p)}{extra}", status, value, interval=bounds,
                     threshold=MATERIAL_GAP_PP, why=why, kind="periodic", model=name)
 
 
 def uniform_sensitive(name: str, p: dict[str, Any]) -> dict[str, Any]:
-    value, bounds = _dip(p)
-    why = _unable(p)
-    return _finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
+    value, bounds = dip_of(p)
+    why = unable_reason(p)
+    return finding(f"{name}: uniform averaging is still phase sensitive", "W8/S8 uniform: gap 19.2 pp, mean 12.5%",
                     f"selection-free phase contrast's one-sided 95% lower bound >= {MATERIAL_GAP_PP:.0f} pp, for a "
                     "model that can do the task", f"{_dip_text(p)}, flatness p = {p['flatness_p']:.3g}",
                     "inconclusive" if why else judge(bounds, MATERIAL_GAP_PP), value, interval=bounds,
@@ -226,11 +138,11 @@ def _phase_ci(row: dict[str, Any]) -> list[float]:
 
 def w8s8_shape(name: str, p: dict[str, Any]) -> list[dict[str, Any]]:
     """The paper's W8/S8 shape: its worst phase, and the spread of phases 0..S-2 (within one window)."""
-    rows, why = p["per_phase"], _unable(p)
+    rows, why = p["per_phase"], unable_reason(p)
     worst = min(rows, key=lambda r: r["accuracy"])
     above = sum(r["ci_low"] * 100 >= COVERED_PCT for r in rows)
     shape = (f"mean {100 * p['mean_accuracy']:.1f}%, worst phase {worst['phase']} at {100 * worst['accuracy']:.1f}% "
-             f"{_ci(_phase_ci(worst))}, {above} of {len(rows)} phases above {COVERED_PCT:.0f}%; {_curve(p)}")
+             f"{ci_text(_phase_ci(worst))}, {above} of {len(rows)} phases above {COVERED_PCT:.0f}%; {curve_text(p)}")
     clearly, possibly = covered_phases(p)
     covered = "inconclusive" if why else ("holds" if clearly >= W8S8_COVERED else "fails" if possibly < W8S8_COVERED
                                           else "inconclusive")
@@ -239,22 +151,22 @@ def w8s8_shape(name: str, p: dict[str, Any]) -> list[dict[str, Any]]:
     spread = 100 * (best["accuracy"] - low["accuracy"])
     spread_ci = [100 * (best["ci_low"] - low["ci_high"]), 100 * (best["ci_high"] - low["ci_low"])]
     return [
-        _finding(f"{name}: W8/S8 worst phase below {W8S8_WORST_PCT:.0f}%", "worst phase 5.7% (1 KV), 9.9% (8 KV); "
+        finding(f"{name}: W8/S8 worst phase below {W8S8_WORST_PCT:.0f}%", "worst phase 5.7% (1 KV), 9.9% (8 KV); "
                  "mean 50.6% / 59.4%", f"worst phase's Wilson 95% interval below {W8S8_WORST_PCT:.0f}%", shape,
                  "inconclusive" if why else judge(_phase_ci(worst), W8S8_WORST_PCT, above=False),
                  100 * worst["accuracy"], interval=_phase_ci(worst), threshold=W8S8_WORST_PCT, why=why,
                  kind="worst phase", model=name),
-        _finding(f"{name}: W8/S8 at least {W8S8_COVERED} phases above {COVERED_PCT:.0f}%", "mean 50.6% with no phase "
+        finding(f"{name}: W8/S8 at least {W8S8_COVERED} phases above {COVERED_PCT:.0f}%", "mean 50.6% with no phase "
                  "above 81% (worst 5.7 + gap 75.3): at least 3 of 8 phases above 40%",
                  f">= {W8S8_COVERED} phases whose Wilson interval is above {COVERED_PCT:.0f}% holds; fewer than "
                  f"{W8S8_COVERED} reaching it fails",
-                 f"{clearly} phases clearly, {possibly} possibly above {COVERED_PCT:.0f}%; {_curve(p)}", covered,
+                 f"{clearly} phases clearly, {possibly} possibly above {COVERED_PCT:.0f}%; {curve_text(p)}", covered,
                  clearly, interval=[clearly, possibly], threshold=W8S8_COVERED, why=why, kind="covered", model=name),
-        _finding(f"{name}: W8/S8 within-window spread (phases 0..6) above {WITHIN_WINDOW_PP:.0f} pp",
+        finding(f"{name}: W8/S8 within-window spread (phases 0..6) above {WITHIN_WINDOW_PP:.0f} pp",
                  "phases 0..6 spread by more than 50 pp", f"best minus worst of phases 0..6, interval from their "
                  f"Wilson intervals, above {WITHIN_WINDOW_PP:.0f} pp",
                  f"phase {best['phase']} {100 * best['accuracy']:.1f}% - phase {low['phase']} "
-                 f"{100 * low['accuracy']:.1f}% = {spread:.1f} pp {_ci(spread_ci)}",
+                 f"{100 * low['accuracy']:.1f}% = {spread:.1f} pp {ci_text(spread_ci)}",
                  "inconclusive" if why else judge(spread_ci, WITHIN_WINDOW_PP), spread, interval=spread_ci,
                  threshold=WITHIN_WINDOW_PP, why=why, kind="spread", model=name)]
 
@@ -313,20 +225,20 @@ def _ordering(models, text: str, paper: str, metric: str, less: Callable[[dict],
     pairs = [(a, b) for a, ma in models.items() for b, mb in models.items()
              if a != b and less(ma) and more(mb) and family(ma) == family(mb)]
     if not pairs:
-        return [_finding(text, paper, "", "not measured: no pair of bundled models of the same size", "not measured")]
+        return [finding(text, paper, "", "not measured: no pair of bundled models of the same size", "not measured")]
     return [_compare(models, f"{text} ({a} vs {b})", paper, metric, a, b) for a, b in pairs]
 
 
 def _compare(models, claim: str, paper: str, metric: str, a: str, b: str) -> dict[str, Any]:
     """metric(a) < metric(b), judged on the 95% interval of metric(b) - metric(a)."""
-    value = _gap if metric == "gap" else _mean
+    value = gap_of if metric == "gap" else mean_of
     (va, ca), (vb, cb) = value(models[a]["prefix"]), value(models[b]["prefix"])
     diff = difference_interval(va, ca, vb, cb)
     unit = "pp" if metric == "gap" else "%"
-    why = next(filter(None, (_unable(models[n]["prefix"]) for n in (a, b))), None)
-    return _finding(claim, paper, f"interval of {metric}({b}) - {metric}({a}) above 0",
-                    f"{metric} {a} {va:.1f} {unit} {_ci(ca)}, {b} {vb:.1f} {unit} {_ci(cb)}; difference "
-                    f"{vb - va:.1f} {_ci(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va,
+    why = next(filter(None, (unable_reason(models[n]["prefix"]) for n in (a, b))), None)
+    return finding(claim, paper, f"interval of {metric}({b}) - {metric}({a}) above 0",
+                    f"{metric} {a} {va:.1f} {unit} {ci_text(ca)}, {b} {vb:.1f} {unit} {ci_text(cb)}; difference "
+                    f"{vb - va:.1f} {ci_text(diff)}", "inconclusive" if why else judge(diff, 0.0), vb - va,
                     interval=diff, threshold=0.0, why=why, kind="ordering", metric=metric, ordering=True, models=[a, b],
                     values=[va, vb], intervals=[ca, cb])
 
@@ -344,10 +256,10 @@ def ordering_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
                      is_kind("W8/S8 uniform"), is_kind("W8/S8"))
     full = [(n, m) for n, m in models.items() if m["compressor"] == "none" and not m.get("token_selection")]
     pairs = [(a, b) for a, ma in full for b, mb in full
-             if ma["kv_heads"] < mb["kv_heads"] and _without_kv(ma) == _without_kv(mb)]
+             if ma["kv_heads"] < mb["kv_heads"] and without_kv(ma) == without_kv(mb)]
     text, paper = "mean(full, more KV heads) > mean(full, fewer KV heads)", "61.1% (8 KV) > 18.8% (1 KV)"
     if not pairs:
-        out.append(_finding(text, paper, "", "not measured: one full-attention model", "not measured"))
+        out.append(finding(text, paper, "", "not measured: one full-attention model", "not measured"))
     for a, b in pairs:
         out.append(_compare(models, f"mean(full, {models[b]['kv_heads']} KV) > mean(full, {models[a]['kv_heads']} "
                             f"KV) ({b} vs {a})", paper, "mean", a, b))
@@ -372,7 +284,7 @@ def _coverage(models: dict[str, dict]) -> dict[str, Any]:
         if kind(m) == "W8/S8" and n not in FIXES:
             sizes.setdefault(m["layers"] * m["kv_heads"], []).append((*covered_phases(m["prefix"]), n))
     if len(sizes) < 2:
-        return _finding(text, paper, rule, "not measured: one W8/S8 size", "not measured")
+        return finding(text, paper, rule, "not measured: one W8/S8 size", "not measured")
     order = sorted(sizes)
     measured = "; ".join(f"{n}: {heads} heads -> {c} clearly, {q} possibly of 8" for heads in order
                          for c, q, n in sizes[heads])
@@ -380,7 +292,7 @@ def _coverage(models: dict[str, dict]) -> dict[str, Any]:
               "fails" if max(q for _, q, _ in sizes[big]) <= min(c for c, _, _ in sizes[small]) else "inconclusive")
              for small, big in zip(order, order[1:])]
     status = "fails" if "fails" in steps else "inconclusive" if "inconclusive" in steps else "holds"
-    return _finding(text, paper, rule, measured, status, kind="coverage",
+    return finding(text, paper, rule, measured, status, kind="coverage",
                     covered=[[h, c, q, n] for h in order for c, q, n in sizes[h]])
 
 
@@ -400,7 +312,7 @@ def _outcome_text(row: dict[str, Any]) -> str:
 def _delta_text(row: dict[str, Any], ci: list[float] | None) -> str:
     """'+1: R^2 0.99 [0.98, 1.00], moved (...)'; R^2 '-' where the cycled curve does not vary."""
     r2 = "-" if row["r2_excl_boundary"] is None else f"{row['r2_excl_boundary']:.2f}"
-    return (f"{row['delta']:+d}: R^2 {r2}" + (f" {_ci(ci, 2)}" if ci else "")
+    return (f"{row['delta']:+d}: R^2 {r2}" + (f" {ci_text(ci, 2)}" if ci else "")
             + (f", {_outcome_text(row)}" if row.get("status") else ""))
 
 
@@ -412,7 +324,7 @@ def _cycling(models: dict[str, dict]) -> list[dict[str, Any]]:
     rows = [(n, m) for n, m in models.items() if m.get("cycling")]
     paper = "R^2 0.66 to 1.00 excluding the boundary phase"
     if not rows:
-        return [_finding(f"gate cycling R^2 >= {CYCLING_R2} (boundary excluded)", paper, "",
+        return [finding(f"gate cycling R^2 >= {CYCLING_R2} (boundary excluded)", paper, "",
                          "not measured: no W = S model was cycled", "not measured")]
     out = []
     for n, m in rows:
@@ -429,7 +341,7 @@ def _cycling(models: dict[str, dict]) -> list[dict[str, Any]]:
         payload = "shared payload maps" if m.get("shared_payload") else "per-offset payload maps"
         outcomes = {row["delta"]: row.get("status") for row in deltas}
         measured = "; ".join(_delta_text(row, ci[row["delta"]]) for row in sorted(deltas, key=lambda r: r["delta"]))
-        out.append(_finding(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {need} of "
+        out.append(finding(f"{n}: gate cycling R^2 >= {CYCLING_R2} excluding the boundary for >= {need} of "
                             f"{len(r2)} deltas ({payload})", paper, f"deltas whose R^2 interval is above {CYCLING_R2}: "
                             f">= {need} holds; fewer than {need} that can be: fails (no R^2 where the cycled curve "
                             "is flat)", measured, status,

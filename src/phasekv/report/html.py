@@ -18,7 +18,7 @@ from typing import Any
 
 from phasekv.figures.evaluation import plot_phase_heatmap, plot_residue_grid
 from phasekv.figures.probes import plot_concentration_plane, plot_cycling, plot_gate_profiles, plot_knockout_map
-from phasekv.report.findings import count_line
+from phasekv.report.claims import count_line
 from phasekv.report.reasons import reason_text
 
 STYLE = """

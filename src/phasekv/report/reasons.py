@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phasekv.evaluate.verdict import FLATNESS_ALPHA
-from phasekv.report.findings import COVERED_PCT, CYCLING_DELTAS_NEEDED, W8S8_COVERED
+from phasekv.report.claims import COVERED_PCT, CYCLING_DELTAS_NEEDED, W8S8_COVERED
 
 CATEGORIES = ("scale", "recipe", "claim not testable here", "protocol", "not diagnosed")
 CEILING_PCT = 98.0  # an ordering of means between two models both above this cannot be tested

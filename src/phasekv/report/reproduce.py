@@ -31,13 +31,13 @@ from tqdm import tqdm
 
 from phasekv.archs import architecture_of, geometry_of
 from phasekv.archs.base import text_config
+from phasekv.archs.indexer_kl import indexers_of
 from phasekv.checkpoint import resolve
 from phasekv.compression import compressors_of
 from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
 from phasekv.families import family_name
-from phasekv.indexer import indexers_of
 from phasekv.outputs import output_dir, write_json
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
@@ -47,7 +47,8 @@ from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
 from phasekv.report.reasons import explained
 from phasekv.theory import run_theory
-from phasekv.train import read_metrics, train
+from phasekv.training.loop import train
+from phasekv.training.rundir import read_metrics
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from phasekv.outputs import write_atomic, write_json
 from phasekv.probes.cycle_outcome import R2_FLOOR
-from phasekv.report.findings import count_line
+from phasekv.report.claims import count_line
 from phasekv.report.reasons import reason_text
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""phasekv.training."""
