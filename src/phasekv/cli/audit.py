@@ -20,55 +20,59 @@ PLAN = AuditPlan()
 
 
 def add_parser(sub) -> None:
+    from phasekv.conditions.grammar import compress_help
+
     p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
-    source = p.add_mutually_exclusive_group(required=True)
+    model = p.add_argument_group("source and model (one of --hf, --endpoint, --launch)")
+    source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
-    add_endpoint_arguments(p, source)
-    add_launch_arguments(p, source)
-    p.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the gguf "
-                                       "extra: make real-model)")
-    p.add_argument("--format", default=AUDIT_DEFAULTS["format"],
-                   help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
-    p.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
-    p.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
-                   help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the prompt "
-                        "length varied: the query phase and its source x query phase cells)")
-    p.add_argument("--reference-hf", metavar="DIR", help="--endpoint: the same weights in transformers (with "
-                                                         "--gguf-file: that GGUF inside DIR): comparison.json, the "
-                                                         "engine vs reference agreement per source and query phase")
-    p.add_argument("--compress", nargs="+", default=None, metavar="COND",
-                   help="conditions: none, select:r, mean, max-norm, each optionally +keep-first:n (the attention "
-                        "sink); kpool:pool=P,top=K|budget=F[,local=L,sink=N,heads=shared|kv,indexer=oracle|mean|max|"
-                        "distilled:DIR,grid=fixed|stagger|jitter,seed=S] (query-dependent pooled selection); "
-                        "slices:kind=contiguous|interleaved[,size=L,"
-                        "shift=fixed|layer|random,group=kv|query,local=N,sink=N] (head-partitioned history); "
-                        "stagger:select:r, jitter:select:r (post-hoc grid per KV head / per request); "
-                        "default: " + " ".join(HF_CONDITIONS) +
-                        "; none only with --endpoint")
-    p.add_argument("--press", action="append", default=[], metavar="NAME[:k=v,...]",
-                   help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, snapkv, "
-                        "streaming, expected-attention, tova, keydiff, or chunkkv, chunk, block over one of them "
-                        "(press=NAME), e.g. chunkkv:press=knorm,ratio=0.5,chunk=8")
-    p.add_argument("--window", type=int, default=PLAN.window, help="W: tokens per compressed entry")
-    p.add_argument("--stride", type=int, default=AUDIT_DEFAULTS["stride"],
-                   help="S: a window starts every S tokens (phase = position mod S)")
-    p.add_argument("--local-window", type=int, default=AUDIT_DEFAULTS["local_window"], help="the last tokens kept raw")
-    p.add_argument("--records", type=int, default=AUDIT_DEFAULTS["records"], help="records per prompt")
-    p.add_argument("--demos", type=int, default=AUDIT_DEFAULTS["demos"], help="demonstrations per prompt")
-    p.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
-    p.add_argument("--batch-size", type=int, default=AUDIT_DEFAULTS["batch_size"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="torch dtype of the --hf model (default float32)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--expect", metavar="FILE", help="--endpoint/--launch: a regression gate: exit status 3, one line "
-                                                    "per violated expectation (verdict classes, agreement lower "
-                                                    "bounds, per-phase accuracy intervals)")
-    p.add_argument("--write-expect", metavar="FILE", help="--endpoint/--launch: write the expectations of this "
-                                                          "(trusted) run, for --expect")
-    p.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition runs)")
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
-    p.add_argument("--no-progress", action="store_true")
+    model.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the "
+                                           "gguf extra: make real-model)")
+    model.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    model.add_argument("--dtype", help="torch dtype of the --hf model (default float32)")
+    model.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    prompts = p.add_argument_group("prompt set")
+    prompts.add_argument("--format", default=AUDIT_DEFAULTS["format"],
+                         help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
+    prompts.add_argument("--chat", action="store_true", help="wrap the prompts in the tokenizer's chat template")
+    prompts.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
+                         help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the "
+                              "prompt length varied: the query phase and its source x query phase cells)")
+    prompts.add_argument("--records", type=int, default=AUDIT_DEFAULTS["records"], help="records per prompt")
+    prompts.add_argument("--demos", type=int, default=AUDIT_DEFAULTS["demos"], help="demonstrations per prompt")
+    prompts.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
+    prompts.add_argument("--batch-size", type=int, default=AUDIT_DEFAULTS["batch_size"])
+    prompts.add_argument("--seed", type=int, default=0)
+    conditions = p.add_argument_group("conditions (in-process models)")
+    conditions.add_argument("--compress", nargs="+", default=None, metavar="COND",
+                            help=compress_help(HF_CONDITIONS) + " (--endpoint, --launch: none)")
+    conditions.add_argument("--press", action="append", default=[], metavar="NAME[:k=v,...]",
+                            help="a kvpress press as one more condition (repeatable; needs make kvpress): knorm, "
+                                 "snapkv, streaming, expected-attention, tova, keydiff, or chunkkv, chunk, block over "
+                                 "one of them (press=NAME), e.g. chunkkv:press=knorm,ratio=0.5,chunk=8")
+    conditions.add_argument("--window", type=int, default=PLAN.window, help="W: tokens per compressed entry")
+    conditions.add_argument("--stride", type=int, default=AUDIT_DEFAULTS["stride"],
+                            help="S: a window starts every S tokens (phase = position mod S)")
+    conditions.add_argument("--local-window", type=int, default=AUDIT_DEFAULTS["local_window"],
+                            help="the last tokens kept raw")
+    endpoint = p.add_argument_group("endpoint (a served model: --endpoint URL)")
+    add_endpoint_arguments(endpoint, source)
+    endpoint.add_argument("--reference-hf", metavar="DIR", help="--endpoint, --launch: the same weights in "
+                                                                "transformers (with --gguf-file: that GGUF inside "
+                                                                "DIR): comparison.json, the engine vs reference "
+                                                                "agreement per source and query phase")
+    add_launch_arguments(p.add_argument_group("engine grid (phasekv starts the engine: --launch ENGINE)"), source)
+    gate_flags = p.add_argument_group("regression gate (--endpoint, --launch)")
+    gate_flags.add_argument("--expect", metavar="FILE", help="exit status 3, one line per violated expectation "
+                                                             "(verdict classes, agreement lower bounds, per-phase "
+                                                             "accuracy intervals)")
+    gate_flags.add_argument("--write-expect", metavar="FILE", help="write the expectations of this (trusted) run, "
+                                                                   "for --expect")
+    output = p.add_argument_group("output")
+    output.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition "
+                                                     "runs)")
+    output.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    output.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
@@ -112,8 +116,6 @@ def run(args) -> dict[str, Any]:
     check_flags(args, conditions)
     expected = check_gate_flags(args)
     if args.launch:
-        from phasekv.cli.engine_grid import run_launched
-
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
     device, dtype = args.device or "auto", args.dtype or "float32"
@@ -177,4 +179,115 @@ def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict
         if lines:
             raise GateFailed(lines)
         print(f"expectations of {args.expect}: all hold")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- --launch
+
+
+def grid_of(args):
+    """The EngineGrid the flags describe (checked: the engine, its binary, the model file, every grid value)."""
+    from phasekv.audit.engine_grid import EngineGrid
+    from phasekv.engines.base import parse_grid
+    from phasekv.engines.registry import default_binary, launcher
+
+    engine = launcher(args.launch)
+    points = parse_grid(engine, args.engine_grid)
+    binary = Path(args.engine_bin) if args.engine_bin else default_binary(engine)
+    if not binary.is_file():
+        raise ValueError(f"--engine-bin {binary}: no such file ({engine.install})")
+    model = served_model(engine, args)
+    if args.tokenizer is None:
+        raise ValueError("--launch: needs --tokenizer DIR (the served model's tokenizer)")
+    if args.timeout is not None and (isinstance(args.timeout, bool) or not args.timeout > 0
+                                     or args.timeout == float("inf")):
+        raise ValueError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
+    for name in ("engine_context", "decode_steps", "batch_width"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.check_prompts < 0:
+        raise ValueError(f"--check-prompts: must be >= 0, got {args.check_prompts}")
+    if "decode" in args.engine_checks and args.reference_hf is None:
+        raise ValueError("--engine-checks decode: compares with the reference: needs --reference-hf")
+    slots = args.batch_width if "batch" in args.engine_checks else 1
+    for point in points:
+        engine.limits(point, context=args.engine_context * slots, slots=slots)
+    return EngineGrid(engine, binary, model, tuple(points), context=args.engine_context * slots, slots=slots,
+                      reuse_prefix=args.reuse_prefix, **({} if args.timeout is None else {"timeout": args.timeout}))
+
+
+def served_model(engine, args) -> Path:
+    """What the engine serves: --engine-model, else llama-server's --tokenizer/--gguf-file, vLLM's --tokenizer DIR
+    (a safetensors folder is its own tokenizer); a file or a folder as the engine needs."""
+    folder = engine.serves == "folder"
+    if args.engine_model:
+        model = Path(args.engine_model)
+    elif folder and args.tokenizer and not args.gguf_file:
+        model = Path(args.tokenizer)
+    elif not folder and args.tokenizer and args.gguf_file:
+        model = Path(args.tokenizer) / args.gguf_file
+    elif folder:
+        raise ValueError(f"--launch {engine.name}: serves a model folder (safetensors): needs --engine-model DIR or "
+                         "--tokenizer DIR without --gguf-file")
+    else:
+        raise ValueError("--launch: needs --engine-model FILE (the file the engine serves) or --tokenizer DIR with "
+                         "--gguf-file NAME")
+    if folder and not (model / "config.json").is_file():
+        raise ValueError(f"--engine-model {model}: not a model folder (no config.json); {engine.name} serves "
+                         "safetensors folders")
+    if not folder and not model.is_file():
+        raise ValueError(f"--engine-model {model}: no such file")
+    return model
+
+
+def checks_of(args) -> dict:
+    """The per-point checks --engine-checks names, in the order of the grid's table."""
+    from phasekv.audit.decode import decode_check
+    from phasekv.audit.engine_paths import paths_check
+
+    limit = args.check_prompts or None
+    made = {"decode": lambda: decode_check(args.decode_steps, limit),
+            "prefix": lambda: paths_check("prefix", limit=limit),
+            "batch": lambda: paths_check("batch", args.batch_width, limit)}
+    return {name: made[name]() for name in ("decode", "prefix", "batch") if name in args.engine_checks}
+
+
+def run_launched(args) -> dict[str, Any]:
+    from phasekv.adapters.hf import load_hf, load_tokenizer
+    from phasekv.audit.engine_grid import check_work_dir, run_grid
+    from phasekv.config import audit_config
+    from phasekv.outputs import check_output_dir
+
+    grid = grid_of(args)
+    check_output_dir(Path(args.out), args.force)
+    check_work_dir(args.out, resume=args.resume, force=args.force)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
+                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed,
+                       device=args.device or "auto", dtype=args.dtype or "float32", threads=args.threads,
+                       gguf_file=args.gguf_file)
+    tokenizer = load_tokenizer(args.tokenizer, args.gguf_file, flag="--tokenizer")
+    reference = None
+    if args.reference_hf is not None:
+        reference, _ = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
+                               gguf_file=args.gguf_file)
+    summary = run_grid(grid, tokenizer, cfg, args.out, protocols=tuple(dict.fromkeys(args.protocol)),
+                       per_phase=args.prompts_per_phase, reference=reference, checks=checks_of(args), force=args.force,
+                       resume=args.resume, progress=not args.no_progress)
+    for row in summary["rows"]:
+        if "failed" in row:
+            print(f"{row['point']:>40}  {row['protocol']}: failed: {row['failed']}")
+            continue
+        line = f"{row['point']:>40}  {row['protocol']}: {100 * row['accuracy']:.1f}%, {row['verdict']}"
+        if "query_verdict" in row:
+            line += f"; query phase: {row['query_verdict']}"
+        if "agree" in row:
+            line += f"; {row['agree']}/{row['n']} greedy tokens agree with the reference"
+        for check in ("decode", "prefix", "batch"):
+            if f"{check}_agreement" in row:
+                line += f"; {check}: {100 * row[f'{check}_agreement']:.1f}% of {row[f'{check}_n']} agree"
+        print(line)
     return summary

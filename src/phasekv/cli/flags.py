@@ -29,11 +29,14 @@ def add_source_arguments(p, hf_help: str = "transformers causal LM: local direct
 
 
 def add_endpoint_arguments(p, source) -> None:
-    """--endpoint (one more choice of the `source` group) and its flags (shared by eval and audit)."""
+    """--endpoint (one more choice of the `source` group) and its flags (shared by eval and audit), into `p` (a parser
+    or an argument group); the --api names come from the engines' registry."""
+    from phasekv.engines.registry import apis
+
     source.add_argument("--endpoint", metavar="URL", help="an inference engine serving the model, e.g. "
                                                           "http://127.0.0.1:8080 (llama.cpp, vLLM, SGLang)")
-    p.add_argument("--api", help="--endpoint: llamacpp (/completion, the default), openai (/v1/completions) or "
-                                 "sglang (/generate)")
+    names = ", ".join(f"{name} ({api.path})" for name, api in apis().items())
+    p.add_argument("--api", help=f"--endpoint: the engine API: {names}; default llamacpp")
     p.add_argument("--tokenizer", metavar="DIR", help="--endpoint: the served model's tokenizer (prompts are sent as "
                                                       "its token ids; with --gguf-file, read from that GGUF file)")
     p.add_argument("--model", help="--endpoint: the served model's name (default: the one model the server serves)")
@@ -53,18 +56,23 @@ IN_PROCESS_ONLY = ("dtype", "device", "device_map")
 
 def add_launch_arguments(p, source) -> None:
     """--launch NAME (one more choice of the `source` group: phasekv starts the engine itself, once per point of
-    --engine-grid) and its flags; the --tokenizer, --timeout and --resume of the --endpoint flags apply too."""
-    source.add_argument("--launch", metavar="ENGINE", help="start this engine for each point of --engine-grid "
-                                                           "(llama-server, vllm), audit each point with --reference-hf")
-    p.add_argument("--engine-bin", metavar="PATH", help="--launch: the engine's binary (default: where make engine "
-                                                        "installs llama-server, make vllm vLLM's Python)")
+    --engine-grid) and its flags, into `p` (a parser or an argument group); the engine names and their settings come
+    from the engines' registry.  The --tokenizer, --timeout and --resume of the --endpoint flags apply too."""
+    from phasekv.engines.registry import launchers
+
+    engines = launchers()
+    source.add_argument("--launch", metavar="ENGINE", help=f"start this engine ({', '.join(engines)}) for each point "
+                                                           "of --engine-grid, audit each point with --reference-hf")
+    p.add_argument("--engine-bin", metavar="PATH", help="--launch: the engine's binary (default: where its install "
+                                                        "step puts it: make engine llama-server, make vllm vLLM's "
+                                                        "Python)")
     p.add_argument("--engine-model", metavar="FILE", help="--launch: the model the engine serves (default: "
-                                                          "--tokenizer's --gguf-file; vllm: the --tokenizer folder)")
+                                                          "--tokenizer's --gguf-file, or the --tokenizer folder for "
+                                                          "an engine that serves folders)")
+    settings = "; ".join(f"{name}: {', '.join(engine.settings)}" for name, engine in engines.items())
     p.add_argument("--engine-grid", nargs="+", default=[], metavar="KEY=V1,V2",
-                   help="--launch: engine settings to vary, every combination one point (llama-server: ubatch, "
-                        "batch, cache_type_k, cache_type_v, cache_type (both), flash_attn, threads; vllm: "
-                        "max_num_batched_tokens, kv_cache_dtype, dtype, prefix_cache), e.g. ubatch=16,64 "
-                        "flash_attn=on,off")
+                   help=f"--launch: engine settings to vary, every combination one point ({settings}), e.g. "
+                        "ubatch=16,64 flash_attn=on,off")
     p.add_argument("--engine-context", type=int, default=4096, help="--launch: the engine's context in tokens "
                                                                     "(per slot)")
     p.add_argument("--engine-checks", nargs="+", default=[], choices=("decode", "prefix", "batch"), metavar="CHECK",

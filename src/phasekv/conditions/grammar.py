@@ -3,20 +3,21 @@
 A condition is a string (`phasekv audit --compress COND`, `--press NAME` becomes `press:NAME`):
 
     none                                    the full cache (the capability gate)
-    select:r, mean, max-norm[+keep-first:n] post-hoc chunk compression of the prefilled cache (`adapters.posthoc`)
-    press:NAME[:k=v,...]                    a kvpress press applied during prefill (`adapters.presses`)
-    kpool:pool=P,top=K|budget=F,...         query-dependent pooled selection (`adapters.selection`)
-    slices:kind=contiguous|interleaved,...  head-partitioned history (`adapters.head_slices`)
+    select:r, mean, max-norm[+keep-first:n] post-hoc chunk compression of the prefilled cache (`posthoc.py`)
+    press:NAME[:k=v,...]                    a kvpress press applied during prefill (`presses.py`)
+    kpool:pool=P,top=K|budget=F,...         query-dependent pooled selection (`selection/`)
+    slices:kind=contiguous|interleaved,...  head-partitioned history (`head_slices.py`)
     stagger:select:r, jitter:select:r       post-hoc select with the grid moved per KV head / request
-                                            (`adapters.grid_fixes`)
+                                            (`grid_fixes.py`)
 
 `GRAMMAR` maps a condition's name (the text before its first ':' or '+') to a `Condition`: a check, which refuses
 in one line (ValueError) a condition that cannot be evaluated, before any model is loaded, and a factory, which
 wraps the audited adapter in the adapter that evaluates it under the condition.  Both get the condition's whole
 text and the compression `Geometry` (W, S and the raw local window).
 
-Adding a condition: write its adapter in `phasekv/adapters/` (a `base.Wrapped` subclass, like `PosthocAdapter`),
-then add ONE entry here, `GRAMMAR["name"] = Condition(check, build)`, and name it in the audit's --compress help.
+Adding a condition: write its adapter in its own file of `phasekv/conditions/` (a `base.Wrapped` subclass, like
+`PosthocAdapter`), then add ONE entry here, `GRAMMAR["name"] = Condition(check, build, syntax=...)`: the audit's
+--compress help is generated from the entries' `syntax` (`compress_help`).
 What the audit records beside a condition's metrics comes from the adapter too: an `extras(sets, progress)`
 method returning a dict (as `SelectionAdapter`'s selection mechanism).
 `check_conditions`, `condition_adapter`, the audit (`phasekv.audit.pipeline`) and the endpoint rule
@@ -47,6 +48,7 @@ class Condition:
     check: Callable[[str, Geometry], None]  # one-line ValueError for a condition that cannot be evaluated
     build: Callable[[Adapter, str, Geometry], Adapter]  # the adapter evaluating the audited one under it
     served: bool = False  # True: a served model (an endpoint) can be evaluated under it
+    syntax: str = ""  # its forms and what it is, for the --compress help (one entry per family)
 
 
 def _check_policy(text: str, geometry: Geometry) -> None:
@@ -103,22 +105,32 @@ def _sliced(base: Adapter, text: str, geometry: Geometry) -> Adapter:
     return HeadSliceAdapter(base, _parse_slices(text))
 
 
-_MOVED = Condition(_fix, _fixed)  # adapters.grid_fixes
-
-
-_POSTHOC = Condition(_check_policy, _posthoc)
+_MOVED = Condition(_fix, _fixed, syntax="stagger:select:r, jitter:select:r (post-hoc grid per KV head / per request)")
+_POSTHOC = Condition(_check_policy, _posthoc, syntax="select:r, mean, max-norm, each optionally +keep-first:n (the "
+                                                     "attention sink)")
 GRAMMAR: dict[str, Condition] = {
-    "none": Condition(_check_none, lambda base, text, geometry: base, served=True),
+    "none": Condition(_check_none, lambda base, text, geometry: base, served=True,
+                      syntax="none (the full cache; the only condition of a served model)"),
     "select": _POSTHOC,
     "mean": _POSTHOC,
     "max-norm": _POSTHOC,
-    "press": Condition(_check_press, _press),
+    "press": Condition(_check_press, _press, syntax="press:NAME[:k=v,...] (a kvpress press; also --press NAME)"),
     "kpool": Condition(lambda text, geometry: _parse_selection(text),
-                       lambda base, text, geometry: _selection(base, text)),
-    "slices": Condition(lambda text, geometry: _parse_slices(text), _sliced),
+                       lambda base, text, geometry: _selection(base, text),
+                       syntax="kpool:pool=P,top=K|budget=F[,local=L,sink=N,heads=shared|kv,indexer=oracle|mean|max|"
+                              "distilled:DIR,grid=fixed|stagger|jitter,seed=S] (query-dependent pooled selection)"),
+    "slices": Condition(lambda text, geometry: _parse_slices(text), _sliced,
+                        syntax="slices:kind=contiguous|interleaved[,size=L,shift=fixed|layer|random,group=kv|query,"
+                               "local=N,sink=N] (head-partitioned history)"),
     "stagger": _MOVED,
     "jitter": _MOVED,
 }
+
+
+def compress_help(default: tuple[str, ...]) -> str:
+    """The --compress help, from the grammar: every condition family's forms once, then the default."""
+    families = list({id(c): c for c in GRAMMAR.values()}.values())
+    return "conditions: " + "; ".join(c.syntax for c in families) + "; default: " + " ".join(default)
 
 
 def _parse_selection(text: str):
