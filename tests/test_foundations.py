@@ -470,23 +470,22 @@ TESTED_IN = {
     "__main__": "test_foundations.py",  # `python -m phasekv` and `python -m phasekv.cli`, both entry points
     "layers": "test_model.py",  # RMSNorm and RoPE against their references, with the model
     "kernels": "test_attention.py",  # each kernel against its oracle, `windowed_attention_reference`
-    "hf_config": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes
-    "hf_registration": "test_hf_model.py",
-    "textlm": "test_realarch.py",  # GLM-5.3's text model, its one user
+    "hf": "test_hf_model.py",  # phasekv checkpoints through transformers' Auto classes; TextCausalLM in test_realarch
     "cli": "test_fuzz.py",  # every subcommand's bad input; kills in test_reliability.py; each command's own test
-    "report": "test_reproduce.py",  # with test_findings.py, test_audit.py and test_report_browser.py
-    "demo": None,  # no test yet
-    "adapters": "test_endpoint.py",  # with test_posthoc.py, test_presses.py, test_multiquery.py, test_selection.py
-    "export": "test_lmeval.py",  # with test_export_gguf.py
-    "train_indexer": "test_selection.py",  # the distilled indexer beside the selection it serves
-    "rundir": "test_train.py",  # checkpoints, resume and final/ through training; kills in test_reliability.py
+    "report": "test_reproduce.py",  # with test_findings.py and test_report_browser.py
+    "adapters": "test_multiquery.py",  # with test_hf_model.py and test_evaluate.py
+    "conditions": "test_posthoc.py",  # with test_presses.py, test_selection*.py, test_head_slices.py
+    "engines": "test_endpoint.py",  # with test_endpoint_faults.py, test_engine_grid.py, test_vllm*.py, test_sglang.py
+    "export": "test_lmeval.py",  # with test_export_gguf*.py
+    "training": "test_train.py",  # checkpoints, resume and final/; kills in test_reliability.py; the distilled
+    # indexer in test_selection.py, the indexers' KL objective in test_indexer.py
 }
 
 
 def test_tests_mirror_the_package():
     units = sorted(p.stem for p in SRC.iterdir() if p.suffix == ".py" and p.stem != "__init__")
     units += sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file())
-    assert {"config", "checkpoint", "outputs", "families", "indexer", "evaluate", "cli"} <= set(units)
+    assert {"config", "checkpoint", "outputs", "families", "training", "evaluate", "audit", "cli"} <= set(units)
     for unit in units:
         own = TESTS / f"test_{unit}.py"
         if unit in TESTED_IN:

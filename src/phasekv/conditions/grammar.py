@@ -162,11 +162,9 @@ def check_conditions(conditions: tuple[str, ...], geometry: Geometry) -> None:
 
 def check_served(conditions: tuple[str, ...]) -> None:
     """An endpoint is audited as it serves: the post-hoc compressions need the cache of an in-process model."""
-    from phasekv.engines.wire import EndpointError
-
     other = [c for c in conditions if not _entry(c).served]
     if other:
-        raise EndpointError(f"--compress {' '.join(other)}: not available with --endpoint (the engine's own "
+        raise ValueError(f"--compress {' '.join(other)}: not available with --endpoint (the engine's own "
                             "compression is what is audited; phasekv cannot reach its cache): use --compress none")
 
 
