@@ -8,7 +8,7 @@ token id instead: with `-ub` below the prompt length, prompts whose length is 3 
 ubatch reports; `-ub` at least the prompt length is clean); with `-fa off`, a prompt whose prefix came from the
 cache with a length of 1 mod 4; with `-ctk q8_0`, a prompt of length 0 mod 4 computed while another request was in
 flight.  Routes: /health, /props, /slots, /v1/models,
-/completion (n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
+/completion (counted in /slots' `requests`; n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
 previous request when cache_prompt is on).
 """
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.m) as f:
         vocab = json.load(f)["n_vocab"]
     last: list[int] = []
+    served = [0]  # completion requests answered (its /slots reports it, for tests that no prompt was sent)
     active: list[list[bool]] = []
     lock = threading.Lock()
 
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 self._send({"model_path": args.m, "total_slots": args.np, "build_info": "fake",
                             "chat_template": "x" * 100, "default_generation_settings": {"n_ctx": args.c}})
             elif self.path == "/slots":
-                self._send([{"id": i, "n_ctx": args.c // args.np, "speculative": False, "params": {"n_predict": -1}}
-                            for i in range(args.np)])
+                self._send([{"id": i, "n_ctx": args.c // args.np, "speculative": False, "params": {"n_predict": -1},
+                             "requests": served[0]} for i in range(args.np)])
             elif self.path == "/v1/models":
                 self._send({"data": [{"id": args.m, "meta": {"n_vocab": vocab, "n_ctx_train": args.c}}]})
             else:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             prompt = list(body["prompt"])
             with lock:
+                served[0] += 1
                 shared = 0
                 if body.get("cache_prompt"):
                     while shared < min(len(last), len(prompt)) and last[shared] == prompt[shared]:

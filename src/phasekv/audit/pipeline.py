@@ -44,7 +44,7 @@ from phasekv.conditions.grammar import Geometry, check_conditions, condition_ada
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.engines.client import EndpointAdapter, check_reference
-from phasekv.engines.journal import published
+from phasekv.engines.journal import prompt_set_key, published
 from phasekv.engines.registry import running_settings
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
@@ -90,6 +90,8 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     with published(out, force, adapter if served else None) as tmp:
         sets = audit_sets(vocab, cfg, protocols, plan.prompts_per_phase)
         adapter.check_length(max(s.prompt_length for s in sets.values()))
+        if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
+            adapter.journal.bind("prompt_set", prompt_set_key(p.ids for s in sets.values() for p in s.prompts()))
         results: dict[str, Any] = {}
         for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
             cond_adapter = condition_adapter(adapter, condition, geometry)

@@ -73,6 +73,11 @@ def add_parser(sub) -> None:
                                                      "runs)")
     output.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     output.add_argument("--no-progress", action="store_true")
+    output.add_argument("--dry-run", action="store_true", help="print the run's requests, prompt tokens and time "
+                                                               "estimate, write nothing (an endpoint: its metadata "
+                                                               "only with --tokens-per-s, else one timed probe)")
+    output.add_argument("--tokens-per-s", type=float, metavar="RATE", help="--dry-run: one server's prefill "
+                                                                           "throughput, for the time estimate")
     p.set_defaults(func=run)
 
 
@@ -107,7 +112,6 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
     from phasekv.audit.pipeline import run_audit
-    from phasekv.config import audit_config
     from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
 
@@ -115,6 +119,8 @@ def run(args) -> dict[str, Any]:
                   *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
     expected = check_gate_flags(args)
+    if args.dry_run:
+        return dry_run(args, conditions)
     if args.launch:
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
@@ -124,9 +130,7 @@ def run(args) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
     check_reference(args.endpoint is not None, args.reference_hf)
-    cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
-                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed, device=device,
-                       dtype=dtype, threads=args.threads, gguf_file=args.gguf_file)
+    cfg = config_of(args)
     plan = AuditPlan(conditions, args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
     reference = None
     if args.reference_hf is not None:
@@ -151,6 +155,51 @@ def run(args) -> dict[str, Any]:
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
               f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
     return gate(args, expected, summary)
+
+
+def config_of(args):
+    """The EvalConfig of the audit's prompt-set and run flags."""
+    from phasekv.config import audit_config
+
+    return audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos,
+                        stride=args.stride, local_window=args.local_window, batch_size=args.batch_size, seed=args.seed,
+                        device=args.device or "auto", dtype=args.dtype or "float32", threads=args.threads,
+                        gguf_file=args.gguf_file)
+
+
+def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
+    """--dry-run: the prompt sets built (never a model), the served model's context checked from its metadata, the
+    cost printed; nothing written.  Without --tokens-per-s an endpoint's rate comes from one timed probe request."""
+    from phasekv.adapters.hf import load_tokenizer
+    from phasekv.audit.cost import cost_lines, probe_rate, run_cost
+    from phasekv.data.formats import FormatVocabulary, load_format
+    from phasekv.engines.client import open_endpoint
+    from phasekv.evaluate.sources import audit_sets
+
+    if args.tokens_per_s is not None and not (0 < args.tokens_per_s < float("inf")):
+        raise ValueError(f"--tokens-per-s: must be a finite rate > 0, got {args.tokens_per_s}")
+    adapter = None
+    if args.endpoint is not None:
+        adapter, tokenizer = open_endpoint(endpoint_options(args))  # the server's metadata; no journal
+    else:
+        tokenizer = load_tokenizer(args.hf or args.tokenizer, args.gguf_file, flag="--hf" if args.hf else "--tokenizer")
+    try:
+        cfg = config_of(args)
+        sets = audit_sets(FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg,
+                          tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
+        rate, source = args.tokens_per_s, "--tokens-per-s"
+        if adapter is not None:
+            adapter.check_length(max(s.prompt_length for s in sets.values()))
+            if rate is None:
+                rate, source = probe_rate(adapter, next(iter(sets.values()))), "one timed probe request"
+        served = adapter is not None or args.launch
+        cost = run_cost(sets, conditions=1 if served else len(conditions),
+                        endpoints=len(args.endpoint) if args.endpoint else 1, tokens_per_s=rate)
+    finally:
+        if adapter is not None:
+            adapter.close()
+    print("\n".join(cost_lines(cost, source)))
+    return cost
 
 
 def check_gate_flags(args) -> dict[str, Any] | None:
@@ -255,7 +304,6 @@ def checks_of(args) -> dict:
 def run_launched(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf, load_tokenizer
     from phasekv.audit.engine_grid import check_work_dir, run_grid
-    from phasekv.config import audit_config
     from phasekv.outputs import check_output_dir
 
     grid = grid_of(args)
@@ -265,10 +313,7 @@ def run_launched(args) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos, stride=args.stride,
-                       local_window=args.local_window, batch_size=args.batch_size, seed=args.seed,
-                       device=args.device or "auto", dtype=args.dtype or "float32", threads=args.threads,
-                       gguf_file=args.gguf_file)
+    cfg = config_of(args)
     tokenizer = load_tokenizer(args.tokenizer, args.gguf_file, flag="--tokenizer")
     reference = None
     if args.reference_hf is not None:

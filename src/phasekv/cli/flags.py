@@ -33,14 +33,15 @@ def add_endpoint_arguments(p, source) -> None:
     or an argument group); the --api names come from the engines' registry."""
     from phasekv.engines.registry import apis
 
-    source.add_argument("--endpoint", metavar="URL", help="an inference engine serving the model, e.g. "
-                                                          "http://127.0.0.1:8080 (llama.cpp, vLLM, SGLang)")
+    source.add_argument("--endpoint", metavar="URL", nargs="+",
+                        help="an inference engine serving the model, e.g. http://127.0.0.1:8080 (llama.cpp, vLLM, "
+                             "SGLang); several URLs: replicas of one model, the requests spread over them")
     names = ", ".join(f"{name} ({api.path})" for name, api in apis().items())
     p.add_argument("--api", help=f"--endpoint: the engine API: {names}; default llamacpp")
     p.add_argument("--tokenizer", metavar="DIR", help="--endpoint: the served model's tokenizer (prompts are sent as "
                                                       "its token ids; with --gguf-file, read from that GGUF file)")
     p.add_argument("--model", help="--endpoint: the served model's name (default: the one model the server serves)")
-    p.add_argument("--concurrency", type=int, help="--endpoint: requests in flight at once (default 1)")
+    p.add_argument("--concurrency", type=int, help="--endpoint: requests in flight at once per server (default 1)")
     p.add_argument("--reuse-prefix", action="store_true", help="--endpoint: send a context's queries back to back "
                                                                "with the engine's prompt cache on (default: off)")
     p.add_argument("--timeout", type=float, help="--endpoint: seconds one request may take (default 600)")
@@ -91,7 +92,7 @@ def endpoint_options(args):
     from phasekv.engines.client import EndpointOptions
 
     given = {name: getattr(args, name) for name in ("api", "concurrency", "timeout") if getattr(args, name) is not None}
-    return EndpointOptions(args.endpoint, tokenizer=args.tokenizer, gguf_file=getattr(args, "gguf_file", None),
+    return EndpointOptions(args.endpoint[0], replicas=tuple(args.endpoint[1:]), tokenizer=args.tokenizer, gguf_file=getattr(args, "gguf_file", None),
                            model=args.model, reuse_prefix=args.reuse_prefix, resume=args.resume, **given)
 
 

@@ -33,9 +33,10 @@ arrives, so a killed audit resumed with the same journal sends only the prompts 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ class EndpointOptions:
     """How to reach a served model (the --endpoint flags of eval and audit)."""
 
     url: str
+    replicas: tuple[str, ...] = ()  # more servers of the same model: requests are spread over all of them
     tokenizer: str | None = None  # the served model's tokenizer (a directory; with gguf_file, that file in it)
     api: str = "llamacpp"
     gguf_file: str | None = None
@@ -84,7 +86,13 @@ def check_reuse_prefix(api: str, reuse_prefix: bool) -> None:
 
 def check_endpoint_options(options: EndpointOptions) -> None:
     """Every --endpoint flag, checked before anything is loaded or asked."""
-    check_url(options.url)
+    urls = (options.url, *options.replicas)
+    for url in urls:
+        check_url(url)
+    repeated = sorted({u for u in urls if urls.count(u) > 1})
+    if repeated:
+        raise EndpointError(f"--endpoint {repeated[0]}: given twice (each server once; --concurrency sets the "
+                            "requests in flight per server)")
     check_timeout(options.timeout)
     check_options(options.api, options.concurrency)
     check_reuse_prefix(options.api, options.reuse_prefix)
@@ -98,26 +106,30 @@ class EndpointAdapter(Adapter):
 
     def __init__(self, url: str, api: str, vocab_size: int, *, model: str | None = None, top_k: int = 8,
                  concurrency: int = 1, reuse_prefix: bool = False, timeout: float = 600.0, retries: int = 3,
-                 backoff: float = 0.5, transport: httpx.BaseTransport | None = None):
+                 backoff: float = 0.5, transport: httpx.BaseTransport | None = None, replicas: tuple[str, ...] = ()):
         check_options(api, concurrency, top_k)
         check_reuse_prefix(api, reuse_prefix)
         self.api, self.top_k, self.concurrency, self.reuse_prefix = api_named(api), top_k, concurrency, reuse_prefix
-        self.conn = Connection(url, timeout=timeout, retries=retries, backoff=backoff, concurrency=concurrency,
-                               transport=transport)
-        server = self._identify(model)
+        self.conns = [Connection(u, timeout=timeout, retries=retries, backoff=backoff, concurrency=concurrency,
+                                 transport=transport) for u in (url, *replicas)]
+        self.conn = self.conns[0]  # the one a server's settings and checks are read from
+        server = self._identify_all(model)
         if server.vocab_size is not None and server.vocab_size != vocab_size:
             raise EndpointError(f"{url} serves {server.model} with a vocabulary of {server.vocab_size} tokens, the "
                                 f"tokenizer has {vocab_size}: wrong --tokenizer or wrong model")
         self.model = server.model
         # a server may say that it caches prefixes whatever a request asks (vLLM): refused before any request
         self.cache_config, forced = self.api.server_cache(self.conn)
+        for conn in self.conns[1:]:
+            forced = forced or self.api.server_cache(conn)[1]
         if not reuse_prefix and forced:
             raise EndpointError(f"{url} runs vLLM with its prefix cache on (/metrics: enable_prefix_caching): a run "
                                 "without prompt cache needs --no-enable-prefix-caching, or audit with --reuse-prefix")
         mode = "reuse-prefix" if reuse_prefix else "no prompt cache"
         # the answer is one generated token, which needs a place in the context too (vLLM refuses a prompt of
         # max_model_len tokens as "max_tokens must be at least 1, got 0")
-        self.info = ModelInfo(name=f"{server.model} via {api} ({mode})", vocab_size=vocab_size, num_layers=0,
+        spread = f", {len(self.conns)} endpoints" if len(self.conns) > 1 else ""
+        self.info = ModelInfo(name=f"{server.model} via {api} ({mode}{spread})", vocab_size=vocab_size, num_layers=0,
                               num_heads=0, num_kv_heads=0, head_dim=0,
                               max_length=server.context - 1 if server.context else 1 << 30, stride=None,
                               local_window=None)
@@ -125,23 +137,51 @@ class EndpointAdapter(Adapter):
         self.journal: Journal | None = None
         self.answers: dict[str, Answer] = {}
         self.sent = 0  # requests answered by the server in this process (the journal's are not resent)
-        self.answered_by: str | None = None  # the "model" the server's first answer named (llama.cpp, OpenAI, vLLM)
+        self.answered_by: dict[str, str] = {}  # per server: the "model" its first answer named (llama.cpp, vLLM)
         self._lock = threading.Lock()
+        self._free: queue.SimpleQueue[Connection] = queue.SimpleQueue()  # `concurrency` slots per server
+        for _ in range(concurrency):
+            for conn in self.conns:
+                self._free.put(conn)
 
-    def _identify(self, model: str | None):
+    def check_length(self, length: int) -> None:
+        """Refuse, before any prompt is sent, prompts the server's context cannot hold with their answer token."""
+        if length > self.info.max_length:
+            raise EndpointError(f"{self.conn.url}: serves a context of {self.info.max_length + 1} tokens, the "
+                                f"longest prompt needs {length} + 1 answer token: start the server with a larger "
+                                "context or use shorter prompts")
+
+    def _identify(self, conn: Connection, model: str | None):
         """The served model's description, its fields checked (a malformed one is one line, not a traceback)."""
         try:
-            server = self.api.identify(self.conn, model)
+            server = self.api.identify(conn, model)
         except EndpointError:
             raise
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise EndpointError(f"{self.conn.url}: its description of the served model is malformed "
+            raise EndpointError(f"{conn.url}: its description of the served model is malformed "
                                 f"({type(exc).__name__}: {exc}); is --api right?") from None
-        return check_server(server, self.conn.url)
+        return check_server(server, conn.url)
+
+    def _identify_all(self, model: str | None):
+        """The first server's description; every replica must serve the same model with the same vocabulary (the
+        context is the smallest one), all before any prompt is sent."""
+        first = self._identify(self.conns[0], model)
+        contexts = [first.context]
+        for conn in self.conns[1:]:
+            other = self._identify(conn, model)
+            if (other.model, other.vocab_size) != (first.model, first.vocab_size):
+                raise EndpointError(f"{conn.url} serves {other.model} (vocabulary {other.vocab_size}), "
+                                    f"{self.conns[0].url} {first.model} (vocabulary {first.vocab_size}): the "
+                                    "endpoints of one run must be replicas of one model")
+            contexts.append(other.context)
+        known = [c for c in contexts if c]
+        return replace(first, context=min(known) if known else None)
 
     def settings(self) -> dict[str, Any]:
         """What a journal must agree on to be resumed: the same server answers to the same requests."""
-        return {"api": self.api.name, "model": self.model, "top_k": self.top_k, "reuse_prefix": self.reuse_prefix}
+        return {"api": self.api.name, "model": self.model, "top_k": self.top_k, "reuse_prefix": self.reuse_prefix,
+                "concurrency": self.concurrency, "endpoints": len(self.conns),
+                "server_cache": self.cache_config}
 
     def attach(self, journal: Journal) -> None:
         """Journal every answer from now on; the journal's answers are not asked again."""
@@ -202,7 +242,7 @@ class EndpointAdapter(Adapter):
                     stop.set()
                     raise
 
-            pool = ThreadPoolExecutor(self.concurrency)
+            pool = ThreadPoolExecutor(self.concurrency * len(self.conns))
             try:
                 for future in as_completed([pool.submit(send, g) for g in todo]):
                     future.result()  # the first failure stops the run
@@ -214,11 +254,20 @@ class EndpointAdapter(Adapter):
         return [[self.answers[k] for k in group_keys] for group_keys in keys]
 
     def _send_group(self, prompts: list[list[int]], keys: list[str]) -> None:
+        """One group's prompts back to back on one server (a free slot of the least busy one: a group shares its
+        prefix cache), then the slot is free again."""
+        conn = self._free.get()
+        try:
+            self._send_on(conn, prompts, keys)
+        finally:
+            self._free.put(conn)
+
+    def _send_on(self, conn: Connection, prompts: list[list[int]], keys: list[str]) -> None:
         for ids, key in zip(prompts, keys, strict=True):
             if key in self.answers:
                 continue
-            payload = self.conn.request("POST", self.api.path, self.api.body(ids, self.top_k, self.model,
-                                                                              self.reuse_prefix))
+            payload = conn.request("POST", self.api.path, self.api.body(ids, self.top_k, self.model,
+                                                                         self.reuse_prefix))
             answer, read = self.api.parse(payload)
             check_answer(answer, read, vocab_size=self.info.vocab_size, top_k=self.top_k, sent=len(ids))
             if answer.cached and not self.reuse_prefix:  # vLLM caches prefixes unless told not to, whatever we ask
@@ -228,9 +277,9 @@ class EndpointAdapter(Adapter):
             served = payload.get("model") if isinstance(payload, dict) else None
             with self._lock:  # the request threads count and store answers one at a time
                 if isinstance(served, str):  # every answer must come from the model the first one came from
-                    self.answered_by = self.answered_by or served
-                    if served != self.answered_by:
-                        raise EndpointError(f"the server answered with model {served!r} after {self.answered_by!r}: "
+                    first = self.answered_by.setdefault(conn.url, served)
+                    if served != first:
+                        raise EndpointError(f"{conn.url} answered with model {served!r} after {first!r}: "
                                             "was it restarted with another model? (answers so far are journaled)")
                 self.sent += 1
                 self.answers[key] = answer
@@ -238,7 +287,8 @@ class EndpointAdapter(Adapter):
                 self.journal.add(key, answer)
 
     def close(self) -> None:
-        self.conn.close()
+        for conn in self.conns:
+            conn.close()
         if self.journal is not None:
             self.journal.close()
 
@@ -256,7 +306,7 @@ def open_endpoint(options: EndpointOptions, out: str | Path | None = None, force
     tokenizer = load_tokenizer(options.tokenizer, options.gguf_file, flag="--tokenizer")
     adapter = EndpointAdapter(options.url, options.api, len(tokenizer), model=options.model,
                               concurrency=options.concurrency, reuse_prefix=options.reuse_prefix,
-                              timeout=options.timeout)
+                              timeout=options.timeout, replicas=options.replicas)
     if out is not None:
         journal = journal_path(out)
         adapter.attach(Journal(journal, adapter.settings(), resume=options.resume, fresh=force and not options.resume))

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,14 @@ def prompt_key(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
+def prompt_set_key(prompts: Iterable[list[int]]) -> str:
+    """A prompt set's identity: a hash of its prompts' keys, in order (what `Journal.bind` ties a journal to)."""
+    digest = hashlib.sha256()
+    for ids in prompts:
+        digest.update(prompt_key(ids).encode())
+    return digest.hexdigest()[:32]
+
+
 class Journal:
     """Answers appended as they arrive, one fsync'd JSON line each, after a header line of the settings.
 
@@ -48,6 +56,7 @@ class Journal:
         self._lock = threading.Lock()
         self.created = not self.path.exists() or fresh  # by this run: removed again if it journals nothing
         self.added = 0
+        self.bound: dict[str, Any] = {}  # what the run bound to the journal after its header (`bind`)
         if not self.created:
             if not resume:
                 raise EndpointError(f"{self.path}: the journal of an interrupted run exists: pass --resume to "
@@ -78,6 +87,10 @@ class Journal:
             raise EndpointError(f"{self.path}: written with other settings (journal, now: {diff}); --resume needs "
                                 "the same ones, or use --force to start over")
         for number, line in enumerate(lines[1:], start=2):
+            bound = _binding(line)
+            if bound is not None:
+                self.bound.update(bound)
+                continue
             key, answer = _entry(line)
             if answer is None:
                 raise EndpointError(f"{self.path}: line {number} is not a journaled answer ({key}); remove the "
@@ -87,6 +100,18 @@ class Journal:
     def _append(self, entry: dict[str, Any]) -> None:
         with self._lock:
             append_jsonl(self.path, entry, compact=True, durable=True)
+
+    def bind(self, name: str, value: Any) -> None:
+        """Tie the journal to `value` (the hash of the prompt set it answers): recorded the first time, and a
+        resumed journal bound to another value is refused in one line (its answers belong to another run)."""
+        if name in self.bound:
+            if self.bound[name] != value:
+                raise EndpointError(f"{self.path}: its answers belong to another {name.replace('_', ' ')} "
+                                    f"({self.bound[name]}, this run: {value}); --resume needs the same prompts, or "
+                                    "use --force to start over")
+            return
+        self.bound[name] = value
+        self._append({"bound": {name: value}})
 
     def add(self, key: str, answer: Answer) -> None:
         self.answers[key] = answer
@@ -119,6 +144,16 @@ def _entry(line: str) -> tuple[str, Answer | None]:
             and all(isinstance(p, list) and len(p) == 2 and _integer(p[0]) and _number(p[1]) for p in pairs)):
         return "a field of the wrong type", None
     return key, Answer(token, [(i, float(lp)) for i, lp in pairs], cached)
+
+
+def _binding(line: str) -> dict[str, Any] | None:
+    """The {name: value} of a `bind` line, None for any other line."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    bound = entry.get("bound") if isinstance(entry, dict) and set(entry) == {"bound"} else None
+    return bound if isinstance(bound, dict) else None
 
 
 def _integer(value: Any) -> bool:
@@ -162,7 +197,9 @@ def keep_journal(adapter, tmp: Path) -> None:
     endpoint_journal.jsonl (every prompt's top-k log-probabilities), a hard link where the file system allows one
     (the journal stays where it is until OUT is published), else a copy."""
     cached = [a.cached for a in adapter.answers.values() if a.cached is not None]
-    record = {**adapter.settings(), "endpoint": adapter.conn.url, "concurrency": adapter.concurrency,
+    record = {**adapter.settings(), "endpoint": adapter.conn.url, "endpoint_urls": [c.url for c in adapter.conns],
+              "concurrency": adapter.concurrency, "prompt_set": (adapter.journal.bound.get("prompt_set")
+                                                                 if adapter.journal else None),
               "prompt_cache": "reuse-prefix" if adapter.reuse_prefix else "off", "answers": len(adapter.answers),
               "requests_this_run": adapter.sent,
               "answers_from_journal": adapter.journal.resumed if adapter.journal else 0,

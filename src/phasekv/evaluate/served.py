@@ -28,7 +28,7 @@ import torch
 from phasekv.adapters.base import Adapter, Wrapped
 from phasekv.data.protocols import EvalSet
 from phasekv.engines.client import EndpointAdapter
-from phasekv.engines.journal import prompt_key, published
+from phasekv.engines.journal import prompt_key, prompt_set_key, published
 from phasekv.evaluate.metrics import wilson_interval
 from phasekv.evaluate.runner import predict
 from phasekv.outputs import write_json
@@ -117,6 +117,8 @@ def evaluate_endpoint(adapter: EndpointAdapter, tokenizer, cfg, out: str | Path,
     from phasekv.evaluate.sources import make_eval_set, prompt_settings, tokenizer_vocabulary
     vocab, defaults = tokenizer_vocabulary(tokenizer, cfg)
     eval_set = make_eval_set(adapter, vocab, cfg.protocol, cfg.stride, **prompt_settings(cfg, defaults))
+    if adapter.journal is not None:  # a resumed journal must hold answers to these prompts
+        adapter.journal.bind("prompt_set", prompt_set_key(p.ids for p in eval_set.prompts()))
     records = predict(adapter, eval_set, cfg.batch_size or 32, not cfg.one_by_one, progress)
     comparison = compare(adapter, reference, eval_set) if reference is not None else None
     with published(out, force, adapter) as tmp:
