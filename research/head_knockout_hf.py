@@ -2,7 +2,7 @@
 heads' outputs replaced at the final position by their calibration means), under a condition, on the audit's prefix
 prompt set; accuracy overall, by the value token's position mod S and by the owning group of a fixed slicing.
 
-    python scripts/head_knockout_hf.py DIR --gguf-file NAME OUT.json [--condition none] [--prompts-per-phase 16]
+    python research/head_knockout_hf.py DIR --gguf-file NAME OUT.json [--condition none] [--prompts-per-phase 16]
 """
 
 from __future__ import annotations

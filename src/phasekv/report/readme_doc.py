@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from phasekv.outputs import write_atomic
 from phasekv.report.results_doc import table, verdict_head
 
 END = "<!-- end generated -->"
+WIDTH = 116  # the README's line width for prose
 MARKER = re.compile(r"^<!-- generated: (?P<name>[\w-]+) [^\n]*-->\n(?P<body>.*?)^" + re.escape(END) + r"\n",
                     re.M | re.S)
 
@@ -38,12 +40,14 @@ ORACLE = "kpool-smollm2-oracle-96"
 GLM_1_4, MM3_1_4 = "kpool-smollm2", "kpool-smollm2-mm3-025"
 GLM_3_4, MM3_3_4 = "kpool-smollm2-distilled-075-96", "kpool-smollm2-mm3-075-96"
 
-# what each phasekv model of the fixes table is (words only: every number comes from a summary)
-FIX_LABELS = {"w8s8-4kv": "none (W8/S8, 4 KV heads)", "w9s8-4kv": "one-token overlap (W9/S8)",
-              "w8s8-4kv-headstagger": "KV-head stagger", "w8s8-4kv-headstagger-layer": "KV-head + layer stagger",
-              "w9s8-4kv-gaps": "**W9/S8 trained with fillers between records**",
-              "w8s8-4kv-gaps": "the fillers alone (W8/S8)", "w8s8-4kv-jitter": "random grid per training step"}
-GRID_LABELS = {"": "none", "stagger": "per-KV-head stagger", "jitter": "per-request jitter"}
+# the rows of phasekv's own models in the fixes table: a label (words only: every number comes from a summary) and
+# the models it spans (cells show their range); a fix of the demo not listed here gets a row of its own
+TRAINED_ROWS = (("none (W8/S8, 4 KV heads)", ("w8s8-4kv",)), ("one-token overlap (W9/S8)", ("w9s8-4kv",)),
+                ("KV-head stagger (and per layer)", ("w8s8-4kv-headstagger", "w8s8-4kv-headstagger-layer")),
+                ("**W9/S8 trained with fillers between records**", ("w9s8-4kv-gaps",)),
+                ("the fillers alone (W8/S8)", ("w8s8-4kv-gaps",)),
+                ("random grid per training step", ("w8s8-4kv-jitter",)))
+GRID_LABELS = {"": "none", "stagger": "per-KV-head stagger", "jitter": "per-request jitter"}  # in row order
 
 
 class Summaries:
@@ -65,14 +69,26 @@ class Summaries:
         return (self.folder / f"{name}.json").is_file()
 
 
-def _gap_mean(m: dict[str, Any]) -> str:
-    return f"{m['max_gap_pp']:.1f} / {100 * m['mean_accuracy']:.1f}"
+def _span(values: list[float], digits: int = 1, sign: str = "") -> str:
+    """'92.0', or 'low-high' over several models."""
+    low, high = (f"{x:{sign}.{digits}f}" for x in (min(values), max(values)))
+    return low if low == high else f"{low}-{high.lstrip('+')}"
+
+
+def _gap_mean(ms: list[dict[str, Any]]) -> str:
+    """'gap / mean' of one protocol's metrics over one or more models (ranges over several)."""
+    return f"{_span([m['max_gap_pp'] for m in ms])} / {_span([100 * m['mean_accuracy'] for m in ms])}"
 
 
 def _verdicts(prefix: dict[str, Any], insequence: dict[str, Any]) -> str:
     """'phase sensitive under both', or each protocol's verdict head."""
     a, b = verdict_head(prefix.get("verdict")), verdict_head(insequence.get("verdict"))
     return f"{a} under both" if a == b else f"prefix: {a}; in-sequence: {b}"
+
+
+def _p(x: float) -> str:
+    """A p-value with two significant digits, trailing zeros kept (0.020, 0.15)."""
+    return f"{x:#.2g}"
 
 
 def _grid(condition: str) -> str:
@@ -82,60 +98,73 @@ def _grid(condition: str) -> str:
 
 
 def _trained_rows(get: Summaries) -> list[list[str]]:
-    """phasekv's own models: the demo's baseline and fixes, then the models outside the demo."""
+    """phasekv's own models: the demo's baseline and fixes, then the models outside the demo (research/
+    fixes_extra.py), one row per `TRAINED_ROWS` entry whose models a summary holds."""
     demo = get(DEMO)
     fix = demo["fixes"][0]
-    base_bytes = fix["baseline_cache_bytes_per_token"]
-    models = {fix["baseline"]: {**demo["models"][fix["baseline"]], "cache_bytes_per_token": base_bytes}}
+    base, base_bytes = fix["baseline"], fix["baseline_cache_bytes_per_token"]
+    models = {base: {**demo["models"][base], "cache_bytes_per_token": base_bytes}}
     models.update({f["name"]: {**demo["models"][f["name"]], "cache_bytes_per_token": f["cache_bytes_per_token"]}
                    for f in demo["fixes"]})
     if get.has(EXTRA):
         models.update(get(EXTRA)["models"])
+    listed = {name for _, names in TRAINED_ROWS for name in names}
+    groups = [*TRAINED_ROWS, *((f"`{n}`", (n,)) for n in models if n not in listed)]
     rows = []
-    for name, m in models.items():
-        b = m["cache_bytes_per_token"]
-        budget = f"{b:.1f} B/token" if name == fix["baseline"] else f"{100 * (b / base_bytes - 1):+.1f}%"
-        rows.append([FIX_LABELS.get(name, f"`{name}`"), "phasekv, trained", budget, _gap_mean(m["prefix"]),
-                     _gap_mean(m["insequence"]), _verdicts(m["prefix"], m["insequence"])])
+    for label, names in groups:
+        ms = [models[n] for n in names if n in models]
+        if not ms:
+            continue
+        budget = (f"{base_bytes:.1f} B/token" if names == (base,) else
+                  _span([100 * (m["cache_bytes_per_token"] / base_bytes - 1) for m in ms], sign="+") + "%")
+        verdicts = dict.fromkeys(_verdicts(m["prefix"], m["insequence"]) for m in ms)
+        rows.append([label, "phasekv, trained", budget, _gap_mean([m["prefix"] for m in ms]),
+                     _gap_mean([m["insequence"] for m in ms]), "; ".join(verdicts)])
     return rows
 
 
 def _select_rows(get: Summaries) -> list[list[str]]:
-    """SmolLM2 under post-hoc select (one token in 8), on its own grid and on moved ones."""
-    rows = []
-    for name, c in get(SMOLLM2_GRID)["conditions"].items():
-        if not c.get("cache_bytes"):
-            continue  # the dense capability gate
-        share = 100 * c["cache_bytes"]["compressed"] / c["cache_bytes"]["full"]
-        rows.append([f"{GRID_LABELS[_grid(name)]} (`{name}`)", "SmolLM2, post hoc", f"{share:.1f}% of full",
-                     _gap_mean(c["prefix"]), _gap_mean(c["insequence"]), _verdicts(c["prefix"], c["insequence"])])
-    return rows
+    """SmolLM2 under post-hoc select, on moved grids: one row, a cell per fix (the unfixed condition's own
+    numbers are in docs/notes/fixes.md)."""
+    summary = get(SMOLLM2_GRID)
+    order = list(GRID_LABELS)
+    moved = {n: c for n, c in sorted(summary["conditions"].items(), key=lambda item: order.index(_grid(item[0])))
+             if c.get("cache_bytes") and _grid(n)}
+    if not moved:
+        return []
+    share = [100 * c["cache_bytes"]["compressed"] / c["cache_bytes"]["full"] for c in moved.values()]
+    s = summary["settings"]
+    return [[", ".join(GRID_LABELS[_grid(n)] for n in moved), f"SmolLM2, 1 token in {s['stride']}",
+             f"{_span(share)}% of full", *(", ".join(_gap_mean([c[p]]) for c in moved.values())
+                                           for p in ("prefix", "insequence")),
+             "; ".join(_verdicts(c["prefix"], c["insequence"]) for c in moved.values())]]
 
 
 def _kpool_rows(get: Summaries) -> list[list[str]]:
-    """SmolLM2 under k-pool selection (distilled GLM-5.3 indexer at 3/4), its pool grid fixed and jittered."""
-    grids = get(f"{KPOOL_GRID}-grids")
+    """SmolLM2 under k-pool selection (distilled GLM-5.3 indexer at 3/4): the jittered pool grid against the
+    fixed one, on the same prompts."""
+    grids, conditions = get(f"{KPOOL_GRID}-grids"), get(KPOOL_GRID)["conditions"]
     rows = []
-    for name, c in get(KPOOL_GRID)["conditions"].items():
-        if c.get("attended") is None:
-            continue
-        verdict = _verdicts(c["prefix"], c["insequence"])
-        own = grids.get(name) or {}
+    for name, own in grids.items():
+        moved, fixed = conditions[name], conditions[own["unfixed"]]
+        cells = [" / ".join(f"{a:.1f} -> {b:.1f}" for a, b in ((fixed[p]["max_gap_pp"], moved[p]["max_gap_pp"]),
+                                                               (100 * fixed[p]["mean_accuracy"],
+                                                                100 * moved[p]["mean_accuracy"])))
+                 for p in ("prefix", "insequence")]
+        verdict = _verdicts(moved["prefix"], moved["insequence"])
         if own.get("prefix_own_grid"):
             p, i = own["prefix_own_grid"], own["insequence_own_grid"]
-            verdict += (f"; by the phase on each request's own grid: gap {p['max_gap_pp']:.1f} / "
-                        f"{i['max_gap_pp']:.1f} pp (p = {p['flatness_p']:.2g} / {i['flatness_p']:.2g})")
-        rows.append([f"{GRID_LABELS[_grid(name)]} (k-pool 4, distilled, 3/4)", "SmolLM2, selection",
-                     f"{100 * c['attended']:.1f}% attended", _gap_mean(c["prefix"]), _gap_mean(c["insequence"]),
-                     verdict])
+            verdict += (f"; on each request's own grid: gap {p['max_gap_pp']:.1f} / {i['max_gap_pp']:.1f} pp "
+                        f"(p = {_p(p['flatness_p'])} / {_p(i['flatness_p'])})")
+        rows.append([f"{GRID_LABELS[_grid(name)]} of the pool grid", "SmolLM2, k-pool 4, distilled, 3/4",
+                     f"{100 * moved['attended']:.1f}% attended", *cells, verdict])
     return rows
 
 
 def fixes_block(get: Summaries) -> list[str]:
     """The README's fixes table: every fix beside its unfixed model, under both padding protocols."""
-    settings = get(SMOLLM2_GRID)["settings"]
-    return [f"**Fixes at the same cache budget** (docs/notes/fixes.md; gap = best minus worst phase, points / mean "
-            f"accuracy, %; SmolLM2 post hoc: W{settings['window']}/S{settings['stride']}):", "",
+    return ["**Fixes at the same cache budget** (docs/notes/fixes.md; gap = best minus worst phase, points / mean "
+            "accuracy, %):", "",
             *table(["fix", "model", "budget", "prefix gap / mean", "in-sequence gap / mean", "verdict"],
                    _trained_rows(get) + _select_rows(get) + _kpool_rows(get))]
 
@@ -152,12 +181,16 @@ def _condition(summary: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 
 def _pair(c: dict[str, Any], digits: int = 1) -> str:
-    return f"{100 * c['prefix']['mean_accuracy']:.{digits}f}% / {100 * c['insequence']['mean_accuracy']:.{digits}f}%"
+    return f"{100 * c['prefix']['mean_accuracy']:.{digits}f}/{100 * c['insequence']['mean_accuracy']:.{digits}f}"
 
 
 def _bounds(c: dict[str, Any]) -> str:
     """The upper bounds of the selection-free contrast under both protocols."""
-    return " / ".join(f"{c[p]['contrast_crossfit_bounds_pp'][1]:.1f}" for p in ("prefix", "insequence"))
+    return "/".join(f"{c[p]['contrast_crossfit_bounds_pp'][1]:.1f}" for p in ("prefix", "insequence"))
+
+
+def _per_phase(c: dict[str, Any]) -> int:
+    return c["prefix"]["n_prompts"] // len(c["prefix"]["per_phase"])
 
 
 def kpool_block(get: Summaries) -> list[str]:
@@ -165,26 +198,23 @@ def kpool_block(get: Summaries) -> list[str]:
     oracle_run = get(ORACLE)
     dense, oracle = oracle_run["conditions"]["none"], _condition(oracle_run, "pool=4", "indexer=oracle")
     token = _condition(oracle_run, "pool=1", "indexer=oracle")
-    below = [100 * (dense[p]["mean_accuracy"] - oracle[p]["mean_accuracy"]) for p in ("prefix", "insequence")]
     gap_bound = max(oracle[p]["gap_ci_pp"][1] for p in ("prefix", "insequence"))
     glm_low, mm3_low = (_condition(get(n), "pool=4", "indexer=distilled") for n in (GLM_1_4, MM3_1_4))
     glm, mm3 = (_condition(get(n), "indexer=distilled") for n in (GLM_3_4, MM3_3_4))
-    curve = " / ".join(f"{100 * r['accuracy']:.0f}" for r in glm["prefix"]["per_phase"])
-    p = {name: " / ".join(f"{c[q]['flatness_p']:.2g}" for q in ("prefix", "insequence"))
+    curve = "/".join(f"{100 * r['accuracy']:.0f}" for r in glm["prefix"]["per_phase"])
+    p = {name: "/".join(_p(c[q]["flatness_p"]) for q in ("prefix", "insequence"))
          for name, c in (("glm", glm), ("mm3", mm3))}
-    return [f"**k-pool selection on SmolLM2** (docs/notes/selection.md): GLM-5.3's and MiniMax-M3's selection and "
-            "their real indexer modules on SmolLM2-135M, not their weights; records, pool 4, prefix / in-sequence "
-            f"padding. With the oracle indexer at budget 1/4 ({100 * oracle['attended']:.1f}% attended) retrieval "
-            f"stays {below[0]:.1f} and {below[1]:.1f} points below dense ({_pair(oracle)} against {_pair(dense)}; "
-            f"{oracle['prefix']['n_prompts'] // len(oracle['prefix']['per_phase'])} prompts per phase), "
-            f"{verdict_head(oracle['prefix']['verdict'])} (gap at most {gap_bound:.1f} pp), as with token-level "
-            f"selection ({_pair(token)}), max-pooled keys and pools 2, 8, 16. Distilled on prose, both real indexers "
-            f"destroy retrieval at 1/4 (GLM-5.3's {_pair(glm_low)}, MiniMax-M3's {_pair(mm3_low)}); at 3/4 "
-            f"({glm['prefix']['n_prompts'] // len(glm['prefix']['per_phase'])} per phase, the same prompts) "
-            f"GLM-5.3's retrieves {_pair(glm)} with {verdict_head(glm['prefix']['verdict'])} (prefix {curve}%; "
-            f"flatness p = {p['glm']}; the selection-free contrast at most {_bounds(glm)} pp), MiniMax-M3's "
-            f"{_pair(mm3)} with {verdict_head(mm3['prefix']['verdict'])} (p = {p['mm3']}; up to {_bounds(mm3)} pp "
-            "not excluded)."]
+    text = ("**k-pool selection on SmolLM2** (docs/notes/selection.md; GLM-5.3's and MiniMax-M3's selection and real "
+            "indexer modules on SmolLM2-135M, not their weights; records, pool 4; % prefix / in-sequence): with the "
+            f"oracle indexer at 1/4 retrieval is {_pair(oracle)} against {_pair(dense)} dense "
+            f"({_per_phase(oracle)} per phase), {verdict_head(oracle['prefix']['verdict'])} (gap at most "
+            f"{gap_bound:.1f} pp), like token-level selection ({_pair(token)}), max-pooled keys and pools 2, 8, 16. "
+            f"Distilled on prose, both indexers destroy retrieval at 1/4 (GLM-5.3's {_pair(glm_low)}, MiniMax-M3's "
+            f"{_pair(mm3_low)}); at 3/4 ({_per_phase(glm)} per phase) GLM-5.3's gets "
+            f"{_pair(glm)}, {verdict_head(glm['prefix']['verdict'])} (prefix {curve}, p = {p['glm']}, contrast up to "
+            f"{_bounds(glm)} pp), MiniMax-M3's {_pair(mm3)}, {verdict_head(mm3['prefix']['verdict'])} "
+            f"(p = {p['mm3']}; up to {_bounds(mm3)} pp not excluded).")
+    return textwrap.wrap(text, WIDTH, break_on_hyphens=False)
 
 
 BLOCKS: dict[str, Callable[[Summaries], list[str]]] = {"fixes": fixes_block, "kpool": kpool_block}
