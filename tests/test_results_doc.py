@@ -100,7 +100,8 @@ def test_a_findings_reason_and_a_cycling_outcome_reach_the_document():
     summary = fixture_summary()
     changed = copy.deepcopy(summary)
     failing = next(f for f in changed["findings"] if f["status"] == "fails")
-    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on", "evidence": "docs/notes/full1kv.md"}
+    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on",
+                         "evidence": "docs/notes/full1kv.md"}
     row = next(d for m in changed["models"].values() for d in (m.get("cycling") or {}).get("deltas", [])
                if d["delta"] != 0)
     row["status"] = "destroyed"
