@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def test_a_number_in_a_summary_reaches_its_block(summaries):
 
     def fixes(data):
         data["models"]["w9s8-4kv"]["insequence"]["max_gap_pp"] = 12.345
+        data["models"]["w8s8"]["prefix"]["mean_accuracy"] = 0.5
+        data["findings"][0]["status"] = "inconclusive" if data["findings"][0]["status"] != "inconclusive" else "holds"
 
     def oracle(data):
         data["conditions"]["kpool:pool=4,budget=0.25,indexer=oracle"]["prefix"]["mean_accuracy"] = 0.4321
@@ -61,6 +64,15 @@ def test_a_number_in_a_summary_reaches_its_block(summaries):
     after = _blocks(summaries)
     assert "| 12.3 / 74.2 |" in after and "| 12.3 / 74.2 |" not in before
     assert "retrieval is 43.2/" in after and "retrieval is 43.2/" not in before
+    assert "model averages 50% while" in after and "model averages 50% while" not in before
+    counts = [re.search(r"(\d+) hold, (\d+) fail and (\d+) are inconclusive", text).groups()
+              for text in (before, after)]
+    assert counts[0] != counts[1]
+
+
+def test_the_phases_a_model_retrieves_are_read_from_its_curve():
+    curve = [{"accuracy": a} for a in (1.0, 0.97, 0.02, 0.5, 1.0)]
+    assert readme_doc._phases(curve) == "0, 1, 4" and readme_doc._phases(curve[:2]) == "0-1"
 
 
 def test_every_fix_row_comes_from_a_summary(summaries):
