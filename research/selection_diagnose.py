@@ -114,8 +114,7 @@ def main() -> None:
 
     from phasekv.adapters.hf import load_hf
     from phasekv.config import audit_config
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.evaluate.sources import audit_sets
+    from phasekv.evaluate.sources import audit_sets, tokenizer_vocabulary
     from phasekv.training.distill_indexer import IndexerTraining, corpus, features
 
     adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
@@ -129,7 +128,7 @@ def main() -> None:
     prose = [(w, None) for w in windows[train_cfg.sequences:][:args.prose]]
 
     cfg = audit_config(stride=pool)
-    vocab = FormatVocabulary(load_format("records"), tokenizer)
+    vocab = tokenizer_vocabulary(tokenizer, cfg)[0]  # the audit's records format, as `phasekv audit` builds it
     sets = audit_sets(vocab, cfg, ("prefix", "insequence"), args.prompts)
     audit = {}
     for protocol, eval_set in sets.items():

@@ -97,8 +97,7 @@ def _origin_table(name: str, protocol: str, pool: int, cells: list[dict]) -> lis
 def main() -> None:
     from phasekv.adapters.hf import load_tokenizer
     from phasekv.config import audit_config
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.evaluate.sources import audit_sets
+    from phasekv.evaluate.sources import audit_sets, tokenizer_vocabulary
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run")
@@ -128,7 +127,7 @@ def main() -> None:
                 if sets is None:
                     cfg = audit_config(format=args.format, records=s["n_records"], demos=s["n_demos"],
                                        stride=s["stride"], local_window=s["local_window"], seed=s["seed"])
-                    vocab = FormatVocabulary(load_format(args.format, False), load_tokenizer(args.hf, args.gguf_file))
+                    vocab = tokenizer_vocabulary(load_tokenizer(args.hf, args.gguf_file), cfg)[0]
                     sets = audit_sets(vocab, cfg, tuple(s["protocols"]), s["prompts_per_phase"])
                 origins = request_origins(spec, sets[protocol], records)
                 cells = origin_curves(records, origins, spec.pool)
