@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 lint: $(STAMP)
-	@$(VENV)/bin/ruff check src tests benchmarks scripts
+	@$(VENV)/bin/ruff check src tests benchmarks scripts research
 
 test: lint
 	@$(VENV)/bin/pytest tests
@@ -112,7 +112,8 @@ clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
 
 # docs/results.md's generated part, rendered from make demo's runs/demo/summary.json; the fields it reads are kept in
-# docs/summaries/demo.json, which tests/test_results_doc.py renders again and compares with the document
+# docs/summaries/demo.json, which tests/test_results_doc.py renders again and compares with the document; then
+# README.md's generated blocks (fixes, k-pool) from docs/summaries/*.json, checked by tests/test_readme_doc.py
 .PHONY: results
 results: $(STAMP)
-	@$(PY) scripts/results_doc.py runs/demo --update docs/results.md --keep docs/summaries/demo.json
+	@$(PY) scripts/results_doc.py runs/demo --update docs/results.md --keep docs/summaries/demo.json --readme README.md

@@ -137,9 +137,9 @@ class PromptAdapter(Adapter):
         return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (the scripts are no package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+def load_script(name: str, folder: str = "research"):
+    """FOLDER/NAME.py as a module: a research tool (research/) or what make runs (scripts/); neither is a package."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -35,7 +35,7 @@ def tiny_v4(seed: int = 0, **overrides):
     """A small random DeepSeek-V4 (hc_mult 1, indexer heads of 8) with every parameter drawn, not left at its
     initial zeros and ones, so that each tensor the export moves changes the logits.  16 indexer heads: with 4,
     ReLU leaves entries tied at score 0 at the top-k boundary, where torch.topk and ggml's top_k keep different
-    ones (docs/gguf.md)."""
+    ones (docs/notes/gguf.md)."""
     from transformers import DeepseekV4Config
 
     from phasekv import families

@@ -88,7 +88,7 @@ def without_hc_eps(model):
 def test_the_widening_is_exact_but_for_hc_eps_and_a_wrong_one_is_not():
     """4 copies of one stream: without hc_eps (float64) the same function to rounding; with it, each collapse weighs
     the copies by 4 eps more than the one stream, which the RMS norm after it cancels unless the collapsed stream is
-    as small as its epsilon (the trained checkpoint's is: mean square 4e-7 against 1e-5; docs/gguf.md)."""
+    as small as its epsilon (the trained checkpoint's is: mean square 4e-7 against 1e-5; docs/notes/gguf.md)."""
     model, _ = trained()
     wide = eglm.widen(model)
     assert wide.config.hc_mult == 4 and eglm.widen(wide) is wide

@@ -1,4 +1,4 @@
-"""scripts/head_slices_checkpoint.py's helpers: the knockouts' owner groups (`--owners`) follow the named fixed
+"""research/head_slices_checkpoint.py's helpers: the knockouts' owner groups (`--owners`) follow the named fixed
 slicing on the model's own head counts, and a slicing whose owners move is refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "head_slices_checkpoint.py"
+SCRIPT = ROOT / "research" / "head_slices_checkpoint.py"
 
 
 @pytest.fixture(scope="module")

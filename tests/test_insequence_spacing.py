@@ -1,4 +1,4 @@
-"""scripts/insequence_spacing.py's helpers: a record's place on the window grid and its spacing, by hand."""
+"""research/insequence_spacing.py's helpers: a record's place on the window grid and its spacing, by hand."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("insequence_spacing", ROOT / "scripts" / "insequence_spacing.py")
+    spec = importlib.util.spec_from_file_location("insequence_spacing", ROOT / "research" / "insequence_spacing.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

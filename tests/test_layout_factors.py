@@ -1,5 +1,5 @@
-"""scripts/layout_factors.py: each variant changes only the layout factor it names, and on the bundled full-1kv
-the prefix residue pattern goes when the fillers after the records go (docs/full1kv.md)."""
+"""research/layout_factors.py: each variant changes only the layout factor it names, and on the bundled full-1kv
+the prefix residue pattern goes when the fillers after the records go (docs/notes/full1kv.md)."""
 
 import importlib.util
 import os
@@ -13,7 +13,7 @@ import pytest
 from phasekv.data import Vocabulary, build_eval_set
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "layout_factors.py"
+SCRIPT = ROOT / "research" / "layout_factors.py"
 
 
 @pytest.fixture(scope="module")

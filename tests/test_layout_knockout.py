@@ -1,4 +1,4 @@
-"""scripts/layout_knockout.py on the bundled DeepSeek-V3.2 model: its query masks split first-time from repeated
+"""research/layout_knockout.py on the bundled DeepSeek-V3.2 model: its query masks split first-time from repeated
 queries, and a whole-layer knockout removes what the untouched model retrieves."""
 
 import importlib.util
@@ -13,7 +13,7 @@ from phasekv.checkpoint import read_experiment
 from phasekv.config import Experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "layout_knockout.py"
+SCRIPT = ROOT / "research" / "layout_knockout.py"
 CHECKPOINT = ROOT / "checkpoints" / "dsv32-dsa"
 
 

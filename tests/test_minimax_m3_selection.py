@@ -1,4 +1,4 @@
-"""scripts/minimax_m3_selection.py: its targets are the record value tokens the first-time queries must copy, and a
+"""research/minimax_m3_selection.py: its targets are the record value tokens the first-time queries must copy, and a
 checkpoint without a MiniMax-M3 block indexer or a bad argument is refused in one line."""
 
 import importlib.util
@@ -10,7 +10,7 @@ from phasekv.checkpoint import read_experiment
 from phasekv.config import Experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "minimax_m3_selection.py"
+SCRIPT = ROOT / "research" / "minimax_m3_selection.py"
 DSV32 = ROOT / "checkpoints" / "dsv32-dsa"  # a token-level indexer, no blocks
 
 

@@ -253,7 +253,7 @@ def test_prefix_balances_post_fillers_per_group_but_ties_them_to_the_residue_wit
     """What prefix padding can and cannot balance (module docstring, "What prefix padding cannot balance"): the
     fillers after the records have the same mean in every residue group, but for one record the residue fixes
     their number (up to the 0 / 24 wrap), so a model whose retrieval of some records depends on them shows a
-    residue pattern (docs/full1kv.md)."""
+    residue pattern (docs/notes/full1kv.md)."""
     eval_set = build_eval_set(vocab, "prefix", n_records=32, n_demos=8, stride=8)
     by_group, by_record_residue = defaultdict(list), defaultdict(set)
     for context in eval_set.contexts:

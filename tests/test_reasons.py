@@ -40,7 +40,7 @@ def test_full_attention_whose_pattern_is_the_prefix_layouts_is_the_recipe():
     bumpy = full(mean=0.9, gap=12.0)
     inseq = {**bumpy["prefix"], "flatness_p": 0.4}
     r = why({"f": {**bumpy, "insequence": inseq}}, "f: full attention is flat")
-    assert r["category"] == "recipe" and r["evidence"].startswith("docs/full1kv.md") and "0.4" in r["because"]
+    assert r["category"] == "recipe" and r["evidence"].startswith("docs/notes/full1kv.md") and "0.4" in r["because"]
     also = {**bumpy["prefix"], "flatness_p": 0.01}  # in-sequence padding shows it too: not the layout
     assert category({"f": {**bumpy, "insequence": also}}, "f: full attention is flat") == "not diagnosed"
     assert category({"f": bumpy}, "f: full attention is flat") == "not diagnosed"  # in-sequence not measured

@@ -100,12 +100,13 @@ def test_a_findings_reason_and_a_cycling_outcome_reach_the_document():
     summary = fixture_summary()
     changed = copy.deepcopy(summary)
     failing = next(f for f in changed["findings"] if f["status"] == "fails")
-    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on", "evidence": "docs/full1kv.md"}
+    failing["reason"] = {"category": "recipe", "because": "the layout it was trained on",
+                         "evidence": "docs/notes/full1kv.md"}
     row = next(d for m in changed["models"].values() for d in (m.get("cycling") or {}).get("deltas", [])
                if d["delta"] != 0)
     row["status"] = "destroyed"
     before, after = (results_doc.render({"run": s}) for s in (summary, changed))
-    assert "| recipe: the layout it was trained on (docs/full1kv.md) |" in after and "recipe:" not in before
+    assert "| recipe: the layout it was trained on (docs/notes/full1kv.md) |" in after and "recipe:" not in before
     shown = f"{row['delta']:+d}: " + results_doc._r2(row["r2_excl_boundary"])
     assert f"{shown} destroyed" in after and f"{shown} destroyed" not in before
     assert results_doc.render({"run": results_doc.trim(changed)}) == after  # trim keeps both

@@ -1,4 +1,4 @@
-"""scripts/selection_grids.py: a jittered condition's predictions joined to their contexts' drawn origins, and
+"""research/selection_grids.py: a jittered condition's predictions joined to their contexts' drawn origins, and
 the paired differences of a moved grid against the unfixed one."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     lm.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     lm.set_defaults(func=run)
     gg = targets.add_parser("gguf", help="a DeepSeek-V4, DeepSeek-V3.2, MiniMax-M3 or GLM-5.3 checkpoint as a GGUF "
-                                         "file for llama.cpp (docs/gguf.md)")
+                                         "file for llama.cpp (docs/notes/gguf.md)")
     gg.add_argument("--checkpoint", required=True, help="phasekv checkpoint or run directory (transformers "
                                                         "DeepSeek-V4, DeepSeek-V3.2, MiniMax-M3 or GLM-5.3 text model)")
     gg.add_argument("--out", required=True, help="the .gguf file to write")

@@ -1,5 +1,5 @@
 """Head-partitioned history as a layer kind of phasekv's own models, so a model can be trained with it
-(docs/heads.md).  The training-free condition for transformers models is `phasekv.conditions.head_slices`.
+(docs/notes/heads.md).  The training-free condition for transformers models is `phasekv.conditions.head_slices`.
 
 A layer of kind "slices" is full causal attention in which each head group (a KV head with the query heads that
 read it, or with `group: query` each query head) reads only its own slice of the past, defined by position, plus

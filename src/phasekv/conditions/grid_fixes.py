@@ -1,5 +1,5 @@
 """Training-free phase fixes for post-hoc chunk compression: the window grid moved per KV head or per request, at
-the same cache budget (docs/fixes.md).
+the same cache budget (docs/notes/fixes.md).
 
 `adapters.posthoc` puts every window of every KV head on one grid, j * S, so a record at a bad offset of its
 window is lost in every head, layer and request alike.  The two fixes move the grid's origin o (0 <= o < S):

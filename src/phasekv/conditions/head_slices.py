@@ -1,4 +1,4 @@
-"""Head-partitioned history as a training-free audit condition for transformers models (docs/heads.md).
+"""Head-partitioned history as a training-free audit condition for transformers models (docs/notes/heads.md).
 
 Each attention head group (a KV head and the query heads that read it, or each query head) attends to its own
 slice of the past, defined by position, plus a local tail and an attention sink that every head keeps.  This is

@@ -90,8 +90,8 @@ that number shows a residue pattern, periodic in R, that is no phase effect.  It
 outer fillers (`DataConfig.outer_max` >= E) puts the layout in distribution.  Measured on the bundled full-1kv
 (trained with outer_max = 0): its last six records fail once fillers push them 12 or more tokens before the first
 demonstration, which gives its prefix residue gap; the same examples with the fillers moved after the
-demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/full1kv.md,
-scripts/layout_factors.py).
+demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/notes/full1kv.md,
+research/layout_factors.py).
 
 Local window: every target record ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that

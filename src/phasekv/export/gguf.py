@@ -4,12 +4,12 @@
 and tokenizer; their layouts and widenings are in gguf_deepseek32.py and gguf_minimax_m3.py, chosen by `layout`.)
 
 llama.cpp has its own DeepSeek-V4 kernels (src/models/deepseek4.cpp of b11434: the overlapping ratio-4 compressor and
-lightning indexer of CSA, the ratio-128 compressor of HCA, hyper-connections, grouped output projection); auditing
-them on phasekv-trained weights (docs/gguf.md) needs the weights in llama.cpp's layout.  llama.cpp's converter reads
-DeepSeek's release checkpoints, not transformers' names, so the GGUF is written here directly: llama.cpp's tensor
-names (`blk.N.attn_compressor_kv`, `blk.N.indexer.attn_q_b`, ...) and `deepseek4.*` hyper-parameters, float32 or
-float16 (no quantization: a difference from transformers is the kernel's), and a tokenizer with one token per
-phasekv vocabulary entry.
+lightning indexer of CSA, the ratio-128 compressor of HCA, hyper-connections, grouped output projection);
+auditing them on phasekv-trained weights (docs/notes/gguf.md) needs the weights in llama.cpp's layout.  llama.cpp's
+converter reads DeepSeek's release checkpoints, not transformers' names, so the GGUF is written here directly:
+llama.cpp's tensor names (`blk.N.attn_compressor_kv`, `blk.N.indexer.attn_q_b`, ...) and `deepseek4.*`
+hyper-parameters, float32 or float16 (no quantization: a difference from transformers is the kernel's), and a
+tokenizer with one token per phasekv vocabulary entry.
 
 What llama.cpp b11434 accepts, and how phasekv's small models are brought there without changing their function
 (what llama-server does with the unchanged shapes is tested in tests/test_export_gguf.py):

@@ -26,7 +26,7 @@ Two llama.cpp limits are met by widening the model exactly (`widen`):
 Refused in one line (`check_exportable`): a full-attention layer after a sparse one or with a MoE, no sparse layer,
 an indexer head narrower than the RoPE channels (transformers would rotate a truncated table), SwiGLU-OAI
 constants other than llama.cpp's fixed alpha 1.702 and limit 7, non-default RoPE.  llama.cpp runs the selection
-only with flash attention (without it: dense attention, a warning; docs/gguf.md).
+only with flash attention (without it: dense attention, a warning; docs/notes/gguf.md).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ READING = "docs/results.md, section 'Reading the demo's findings'"
 EVIDENCE = {
     "unable": "checkpoints/README.md, section 'Token-level attention: the recipe that learns the lookup'",
     "unused": "docs/results.md, section 'The transformers architectures and the two model families'",
-    "layout": "docs/full1kv.md, section 'Answer'",
+    "layout": "docs/notes/full1kv.md, section 'Answer'",
     "cycling": "this run's summary.json (models.NAME.cycling.controls) and docs/science.md, section 4 (Gate cycling)",
     "power": "docs/power.md",
 }
@@ -161,6 +161,6 @@ def explained(found: list[dict[str, Any]], models: dict[str, dict[str, Any]]) ->
 
 
 def reason_text(f: dict[str, Any]) -> str:
-    """'recipe: ... (docs/full1kv.md, section ...)', or '' for a finding without a reason."""
+    """'recipe: ... (docs/notes/full1kv.md, section ...)', or '' for a finding without a reason."""
     r = f.get("reason")
     return "" if not r else f"{r['category']}: {r['because']} ({r['evidence']})"

@@ -16,7 +16,7 @@ MiniMax-M3's key blocks).  In every layer, each query at position t attends exac
 context is attended through selection.  `heads=shared` makes one selection per query for all heads (GLM-5.3's
 indexer sums its heads into one score), `heads=kv` one per KV head group (MiniMax-M3).  Phase = position mod P.
 
-`grid` moves the pools (the training-free fixes of docs/fixes.md, "Pooled selection: moved pool grids"): `fixed`
+`grid` moves the pools (the training-free fixes of docs/notes/fixes.md, "Pooled selection: moved pool grids"): `fixed`
 is the grid above; `stagger` gives KV group g of G the origin o_g = round(g P / G) (`heads=kv` only), `jitter`
 every request one origin o in [0, P), drawn from `seed` and the request's tokens (its context, which its queries
 continue; a whole prompt when there is no split), the same in every layer.  With origin o pool j holds positions

@@ -3,7 +3,7 @@ audit's accuracy (left, with its 95% interval) beside how often the answering qu
 the record's first answer token, averaged over layers (right), for every `kpool:` condition of the given
 `phasekv audit` summaries and each padding protocol.
 
-    python scripts/selection_figure.py docs/summaries/kpool-smollm2.json [...] --out docs/selection-mechanism.png
+    python research/selection_figure.py docs/summaries/kpool-smollm2.json [...] --out docs/notes/selection-mechanism.png
 """
 
 import argparse

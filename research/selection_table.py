@@ -1,7 +1,7 @@
 """Print the pooled-selection results of a `phasekv audit` summary.json as markdown: per condition and padding
 protocol, accuracy, per-phase accuracy, the verdict, and the selection mechanism's per-phase rates.
 
-    python scripts/selection_table.py runs/kpool-smollm2/summary.json
+    python research/selection_table.py runs/kpool-smollm2/summary.json
 """
 
 import json

@@ -1,8 +1,8 @@
 """Does a MiniMax-M3 checkpoint's block indexer select the block a lookup needs, in its own training layout?
 
-    python scripts/minimax_m3_selection.py CHECKPOINT [--sequences 64] [--seed 123]
+    python research/minimax_m3_selection.py CHECKPOINT [--sequences 64] [--seed 123]
 
-On `--sequences` held-out lookup sequences of the checkpoint's own training stream (scripts/layout_knockout.py's
+On `--sequences` held-out lookup sequences of the checkpoint's own training stream (research/layout_knockout.py's
 sequences: first-time queries, whose value must come from the record), it prints top-1 accuracy on first-time
 queries with the indexers as trained and with every block selected (`training.indexer_kl.dense_selection`: the main
 attention dense, the same weights), then, per sparse layer, how often the query's selection keeps the target block
@@ -25,7 +25,7 @@ from phasekv.config import Experiment
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
 
-FIRST_HELD_OUT = 10_000_000  # as scripts/layout_knockout.py: past every training example of the presets
+FIRST_HELD_OUT = 10_000_000  # as research/layout_knockout.py: past every training example of the presets
 
 
 def targets(exp: Experiment, count: int, seed: int):

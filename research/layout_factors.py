@@ -1,6 +1,6 @@
 """Which layout factor carries a model's residue pattern under prefix padding?
 
-    python scripts/layout_factors.py CHECKPOINT [--variants prefix,no-post,...] [--out DIR] [--n-boot 1000]
+    python research/layout_factors.py CHECKPOINT [--variants prefix,no-post,...] [--out DIR] [--n-boot 1000]
 
 Prefix padding (`phasekv.data.protocols`) shows every (example, target) pair at 24 shifts s: f + s fillers before
 the records (the leading fillers L), E - L after them (the post fillers, before the demonstrations), so the query

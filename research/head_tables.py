@@ -3,7 +3,7 @@ interval and the verdict, and, for the fixed slicings, accuracy by the group (KV
 and the record's key (read from each condition's predictions.jsonl).  Writes a small JSON for docs/summaries and
 prints markdown.
 
-    python scripts/head_tables.py AUDIT_DIR OUT.json [--groups 3] [--knockout KNOCKOUT.json --knockout-layer 1]
+    python research/head_tables.py AUDIT_DIR OUT.json [--groups 3] [--knockout KNOCKOUT.json --knockout-layer 1]
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def fixes_markdown(data: dict) -> list[str]:
 
 def knockout_markdown(runs: list[dict], layer: int) -> list[str]:
     """One row per knocked-out head of `layer`: accuracy by the group owning the answer token (knockout.json of
-    scripts/head_slices_checkpoint.py)."""
+    research/head_slices_checkpoint.py)."""
     groups = len(runs[0]["clean_by_answer_owner"])
     lines = ["| condition | knocked out | all % | " + " | ".join(f"phase {g} %" for g in range(groups)) + " |",
              "|---|---|---|" + "---|" * groups]

@@ -1,10 +1,10 @@
 """Head slicing on a bundled checkpoint of transformers' own classes (e.g. checkpoints/qwen3-full, transformers'
 Qwen3 trained on the lookup task): every condition under each protocol, written as an audit-shaped summary.json
-(`scripts/head_tables.py` reads it), and knockouts per query head and per KV head (all its query heads at once) at
+(`research/head_tables.py` reads it), and knockouts per query head and per KV head (all its query heads at once) at
 the final position under `none` and the first slicing (knockout.json: accuracy by owner group of the answer token
 per knocked-out head).
 
-    python scripts/head_slices_checkpoint.py CHECKPOINT OUT --conditions none "slices:kind=interleaved,group=query" \
+    python research/head_slices_checkpoint.py CHECKPOINT OUT --conditions none "slices:kind=interleaved,group=query" \
         [--protocols prefix insequence query] [--clusters 2] [--knockout-protocol prefix] [--owners SLICES]
 
 A checkpoint trained with head slicing (phasekv's layer kind "slices", e.g. configs/cpu/slices-contiguous-4kv.yaml)

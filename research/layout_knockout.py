@@ -1,6 +1,6 @@
 """Which layer carries a lookup model's retrieval in its own training layout?
 
-    python scripts/layout_knockout.py CHECKPOINT [--sequences 64] [--seed 123]
+    python research/layout_knockout.py CHECKPOINT [--sequences 64] [--seed 123]
 
 `phasekv knockout` asks this on evaluation prompts, where a model that cannot do the task gives no answer (every
 knockout of a model at chance costs nothing).  Some models retrieve in the layout they were trained on (records

@@ -1,9 +1,9 @@
-"""Why in-sequence padding keeps a period-S gap on a windowed checkpoint (docs/fixes.md): one eval run's accuracy
+"""Why in-sequence padding keeps a period-S gap on a windowed checkpoint (docs/notes/fixes.md): one eval run's accuracy
 split by where the target record lies on the model's window grid (split across two windows or whole in one) and by
 its spacing to the neighbouring records (fillers before and after it and their parity, fillers inside its window).
 
     phasekv eval --checkpoint checkpoints/w9s8-4kv --threads 1 --protocol insequence --out runs/w9-inseq
-    python scripts/insequence_spacing.py checkpoints/w9s8-4kv runs/w9-inseq OUT.json
+    python research/insequence_spacing.py checkpoints/w9s8-4kv runs/w9-inseq OUT.json
 
 The prompts are rebuilt with the settings `phasekv eval` uses without options (the checkpoint's own) and joined to
 the run's predictions.jsonl by (cluster, shift, record); a run made with other settings fails the join.  Window W and

