@@ -7,8 +7,8 @@ multi-token value in greedy decoding.  MODEL is a JSON file {"n_vocab": V}.  Pla
 token id instead: with `-ub` below the prompt length, prompts whose length is 3 mod 4 (the shape of llama.cpp's
 ubatch reports; `-ub` at least the prompt length is clean); with `-fa off`, a prompt whose prefix came from the
 cache with a length of 1 mod 4; with `-ctk q8_0`, a prompt of length 0 mod 4 computed while another request was in
-flight.  Routes: /health, /props, /slots, /v1/models,
-/completion (counted in /slots' `requests`; n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
+flight.  Routes: /health, /props, /slots (with `requests`: completions answered so far), /v1/models,
+/completion (n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
 previous request when cache_prompt is on).
 """
 
