@@ -93,7 +93,8 @@ def endpoint_options(args):
 
     given = {name: getattr(args, name) for name in ("api", "concurrency", "timeout") if getattr(args, name) is not None}
     return EndpointOptions(args.endpoint[0], replicas=tuple(args.endpoint[1:]), tokenizer=args.tokenizer,
-                           gguf_file=getattr(args, "gguf_file", None), model=args.model, reuse_prefix=args.reuse_prefix, resume=args.resume, **given)
+                           gguf_file=getattr(args, "gguf_file", None), model=args.model,
+                           reuse_prefix=args.reuse_prefix, resume=args.resume, **given)
 
 
 def check_source_flags(args) -> None:
