@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # tests.engine: where make engine installs the bi
 from tests.engine import LLAMA_SERVER  # noqa: E402
 
 from phasekv.adapters.hf import load_tokenizer  # noqa: E402
-from phasekv.audit import engine_grid  # noqa: E402
+from phasekv.auditing import engine_grid  # noqa: E402
 from phasekv.config import audit_config  # noqa: E402
 from phasekv.engines.client import EndpointAdapter  # noqa: E402
 from phasekv.engines.registry import launcher, started  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phasekv.adapters.hf import HFAdapter
-from phasekv.audit.pipeline import run_audit
+from phasekv.auditing.pipeline import run_audit
 from phasekv.config import PROTOCOLS, AuditPlan, audit_config
 from phasekv.data.formats import FORMATS, FormatVocabulary, PromptFormat, load_format
 from phasekv.data.protocols import build_eval_set

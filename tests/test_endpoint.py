@@ -309,7 +309,7 @@ class QueryPhaseReference(PromptAdapter):
 
 
 def test_audit_with_a_reference_reports_agreement_per_query_phase(tmp_path):
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
     from tests.helpers import bpe_tokenizer
 
@@ -372,7 +372,7 @@ def audits(server, tmp_path_factory):
     """The endpoint audit (llama.cpp API, 2 requests in flight) and the in-process transformers audit of the same
     GGUF weights, on the same prompts."""
     from phasekv.adapters.hf import load_hf
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.cli import main
     from phasekv.config import AuditPlan, audit_config
 
@@ -503,7 +503,7 @@ def test_a_killed_endpoint_audit_resumes_without_asking_an_answered_prompt_again
 @pytest.mark.slow
 def test_audit_reference_hf_compares_the_served_model_per_source_and_query_phase(server, tmp_path):
     from phasekv.adapters.hf import load_hf
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.cli import main
     from phasekv.config import AuditPlan, audit_config
 

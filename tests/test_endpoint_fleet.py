@@ -1,4 +1,4 @@
-"""An endpoint audit at fleet scale (phasekv.engines.client, phasekv.audit.cost): a dry run that prints the run's
+"""An endpoint audit at fleet scale (phasekv.engines.client, phasekv.auditing.cost): a dry run that prints the run's
 requests, prompt tokens and time estimate from the servers' metadata alone, several replicas of one model sharing
 the requests, a refusal before any prompt when the server's context cannot hold prompt + answer, and a journal
 bound to its prompt set. Against stand-in llama-servers (tests/fake_llama_server.py) started the way the real one
@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from phasekv.audit.cost import cost_lines, run_cost
+from phasekv.auditing.cost import cost_lines, run_cost
 from phasekv.engines.client import EndpointAdapter
 from phasekv.engines.journal import Journal
 from phasekv.engines.registry import launcher, started
@@ -69,7 +69,7 @@ def test_run_cost_counts_prompts_tokens_and_time():
 
 
 def test_replicas_share_the_requests_and_give_the_same_answers(tmp_path, tokenizer_dir):
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
 
     tok, vocab = tokenizer_dir

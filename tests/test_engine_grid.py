@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phasekv.adapters.base import ModelInfo
-from phasekv.audit.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
+from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid, point_name
 from phasekv.engines.registry import launcher
@@ -147,7 +147,7 @@ def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(t
 
 
 def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokenizer, monkeypatch):
-    from phasekv.audit import engine_grid
+    from phasekv.auditing import engine_grid
 
     cfg = audit_config(**CFG)
     grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=8,4096", "flash_attn=on,off"]))
@@ -217,7 +217,7 @@ def test_the_audit_command_runs_a_grid_and_refuses_bad_flags_in_one_line(tmp_pat
 
 
 def test_an_audit_of_a_server_the_user_started_records_its_settings(tmp_path, tokenizer):
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.config import AuditPlan
     from phasekv.engines.client import EndpointAdapter
     from phasekv.engines.registry import started
@@ -234,7 +234,7 @@ def test_an_audit_of_a_server_the_user_started_records_its_settings(tmp_path, to
 
 
 def test_decode_steps_find_the_planted_bug_at_its_position_mod_4_and_only_below_the_prompt_length(tmp_path, tokenizer):
-    from phasekv.audit.decode import decode_check
+    from phasekv.auditing.decode import decode_check
 
     sets, summary = ubatch_grid(tmp_path, tokenizer, 4, {"decode": decode_check(5)})
     small, large = (p["decode"] for p in summary["points"])
@@ -251,7 +251,7 @@ def test_decode_steps_find_the_planted_bug_at_its_position_mod_4_and_only_below_
 
 
 def test_prefix_cache_and_batch_paths_find_their_planted_bugs_per_residue(tmp_path, tokenizer):
-    from phasekv.audit.engine_paths import cached_length, paths_check
+    from phasekv.auditing.engine_paths import cached_length, paths_check
 
     assert [cached_length(20, r, 4) for r in range(4)] == [16, 17, 18, 15]
     cfg = audit_config(**CFG)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from phasekv.audit.expect import check_expectations, load_expectations, write_expectations
+from phasekv.auditing.expect import check_expectations, load_expectations, write_expectations
 from tests.engine import CorruptingProxy
 from tests.test_engine_grid import CFG, LLAMA, fake_engine, ubatch_grid
 

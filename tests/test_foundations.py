@@ -80,7 +80,7 @@ def _in(module: str, package: str) -> bool:
 
 
 # what is measured sits above how a model is reached; the commands sit on top
-_MEASURED = ["phasekv.data", "phasekv.evaluate", "phasekv.probes", "phasekv.report", "phasekv.audit", "phasekv.cli",
+_MEASURED = ["phasekv.data", "phasekv.evaluate", "phasekv.probes", "phasekv.report", "phasekv.auditing", "phasekv.cli",
              "phasekv.training", "phasekv.export"]
 
 
@@ -99,13 +99,13 @@ _MEASURED = ["phasekv.data", "phasekv.evaluate", "phasekv.probes", "phasekv.repo
     ("phasekv.adapters", ["phasekv.engines", "phasekv.conditions", *_MEASURED]),  # how phasekv reaches a model
     ("phasekv.engines", ["phasekv.conditions", *_MEASURED]),  # a served model: below what is measured
     ("phasekv.conditions", ["phasekv.engines", *_MEASURED]),  # what an audit does to an in-process model
-    ("phasekv.evaluate", ["phasekv.training", "phasekv.report", "phasekv.audit", "phasekv.cli", "phasekv.probes",
+    ("phasekv.evaluate", ["phasekv.training", "phasekv.report", "phasekv.auditing", "phasekv.cli", "phasekv.probes",
                           "phasekv.export", "phasekv.conditions"]),
-    ("phasekv.export", ["phasekv.training", "phasekv.report", "phasekv.audit", "phasekv.cli", "phasekv.probes"]),
-    ("phasekv.probes", ["phasekv.training", "phasekv.report", "phasekv.audit", "phasekv.cli"]),
-    ("phasekv.report", ["phasekv.audit", "phasekv.cli"]),
-    ("phasekv.audit", ["phasekv.cli", "phasekv.training"]),
-    ("phasekv.training", ["phasekv.evaluate", "phasekv.probes", "phasekv.report", "phasekv.audit", "phasekv.cli"]),
+    ("phasekv.export", ["phasekv.training", "phasekv.report", "phasekv.auditing", "phasekv.cli", "phasekv.probes"]),
+    ("phasekv.probes", ["phasekv.training", "phasekv.report", "phasekv.auditing", "phasekv.cli"]),
+    ("phasekv.report", ["phasekv.auditing", "phasekv.cli"]),
+    ("phasekv.auditing", ["phasekv.cli", "phasekv.training"]),
+    ("phasekv.training", ["phasekv.evaluate", "phasekv.probes", "phasekv.report", "phasekv.auditing", "phasekv.cli"]),
     ("phasekv.training.rundir", ["phasekv.training.loop", "phasekv.training.distill_indexer", "phasekv.data",
                                  "phasekv.evaluate", "phasekv.probes", "phasekv.report", "phasekv.cli"]),  # the run
     # directory knows nothing of the loop that fills it
@@ -477,6 +477,7 @@ TESTED_IN = {
     "conditions": "test_posthoc.py",  # with test_presses.py, test_selection*.py, test_head_slices.py
     "engines": "test_endpoint.py",  # with test_endpoint_faults.py, test_engine_grid.py, test_vllm*.py, test_sglang.py
     "export": "test_lmeval.py",  # with test_export_gguf*.py
+    "auditing": "test_audit.py",  # with test_engine_grid.py, test_expect.py, test_endpoint_fleet.py
     "training": "test_train.py",  # checkpoints, resume and final/; kills in test_reliability.py; the distilled
     # indexer in test_selection.py, the indexers' KL objective in test_indexer.py
 }
@@ -485,7 +486,7 @@ TESTED_IN = {
 def test_tests_mirror_the_package():
     units = sorted(p.stem for p in SRC.iterdir() if p.suffix == ".py" and p.stem != "__init__")
     units += sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file())
-    assert {"config", "checkpoint", "outputs", "families", "training", "evaluate", "audit", "cli"} <= set(units)
+    assert {"config", "checkpoint", "outputs", "families", "training", "evaluate", "auditing", "cli"} <= set(units)
     for unit in units:
         own = TESTS / f"test_{unit}.py"
         if unit in TESTED_IN:

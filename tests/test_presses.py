@@ -554,7 +554,7 @@ def test_the_audit_evaluates_a_press_condition_through_press_adapter():
 def test_the_real_model_audit_runs_a_press(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
 
     tokenizer = AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)

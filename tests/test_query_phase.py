@@ -182,7 +182,7 @@ def test_heatmap_draws_the_cells_and_margins(tmp_path):
 
 
 def test_audit_with_the_query_protocol_reports_the_query_phase(tmp_path):
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.config import AuditPlan, audit_config
     from phasekv.data.formats import FormatVocabulary, load_format
 

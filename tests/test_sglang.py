@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from phasekv.audit.engine_grid import EngineGrid, grid_sets, run_grid
+from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid
 from phasekv.engines.registry import api, launcher

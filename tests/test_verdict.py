@@ -8,7 +8,7 @@ null's 95th percentile); "phase sensitive" needs all three and names the best pe
 import numpy as np
 import pytest
 
-from phasekv.audit.pipeline import compressed_verdict
+from phasekv.auditing.pipeline import compressed_verdict
 from phasekv.data.protocols import build_eval_set
 from phasekv.data.vocab import Vocabulary
 from phasekv.evaluate.metrics import summarize

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from phasekv.audit.engine_grid import EngineGrid, run_grid
+from phasekv.auditing.engine_grid import EngineGrid, run_grid
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid, point_name
 from phasekv.engines.registry import default_binary, launcher

@@ -111,7 +111,7 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 
 def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
-    from phasekv.audit.pipeline import run_audit
+    from phasekv.auditing.pipeline import run_audit
     from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
 
@@ -171,7 +171,7 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
     """--dry-run: the prompt sets built (never a model), the served model's context checked from its metadata, the
     cost printed; nothing written.  Without --tokens-per-s an endpoint's rate comes from one timed probe request."""
     from phasekv.adapters.hf import load_tokenizer
-    from phasekv.audit.cost import cost_lines, probe_rate, run_cost
+    from phasekv.auditing.cost import cost_lines, probe_rate, run_cost
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.engines.client import open_endpoint
     from phasekv.evaluate.sources import audit_sets
@@ -204,7 +204,7 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
 
 def check_gate_flags(args) -> dict[str, Any] | None:
     """--expect's file, read and checked before anything runs (None without it); --write-expect's directory."""
-    from phasekv.audit.expect import load_expectations
+    from phasekv.auditing.expect import load_expectations
 
     if (args.expect or args.write_expect) and not (args.endpoint or args.launch):
         raise ValueError("--expect/--write-expect: gate a served model: need --endpoint or --launch")
@@ -217,7 +217,7 @@ def check_gate_flags(args) -> dict[str, Any] | None:
 
 def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, Any]:
     """Write this run's expectations (--write-expect), then hold it to the given ones (--expect: GateFailed)."""
-    from phasekv.audit.expect import check_expectations, write_expectations
+    from phasekv.auditing.expect import check_expectations, write_expectations
     from phasekv.cli import GateFailed
     from phasekv.outputs import write_json
 
@@ -236,7 +236,7 @@ def gate(args, expected: dict[str, Any] | None, summary: dict[str, Any]) -> dict
 
 def grid_of(args):
     """The EngineGrid the flags describe (checked: the engine, its binary, the model file, every grid value)."""
-    from phasekv.audit.engine_grid import EngineGrid
+    from phasekv.auditing.engine_grid import EngineGrid
     from phasekv.engines.base import parse_grid
     from phasekv.engines.registry import default_binary, launcher
 
@@ -291,8 +291,8 @@ def served_model(engine, args) -> Path:
 
 def checks_of(args) -> dict:
     """The per-point checks --engine-checks names, in the order of the grid's table."""
-    from phasekv.audit.decode import decode_check
-    from phasekv.audit.engine_paths import paths_check
+    from phasekv.auditing.decode import decode_check
+    from phasekv.auditing.engine_paths import paths_check
 
     limit = args.check_prompts or None
     made = {"decode": lambda: decode_check(args.decode_steps, limit),
@@ -303,7 +303,7 @@ def checks_of(args) -> dict:
 
 def run_launched(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf, load_tokenizer
-    from phasekv.audit.engine_grid import check_work_dir, run_grid
+    from phasekv.auditing.engine_grid import check_work_dir, run_grid
     from phasekv.outputs import check_output_dir
 
     grid = grid_of(args)

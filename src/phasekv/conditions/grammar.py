@@ -20,7 +20,7 @@ Adding a condition: write its adapter in its own file of `phasekv/conditions/` (
 --compress help is generated from the entries' `syntax` (`compress_help`).
 What the audit records beside a condition's metrics comes from the adapter too: an `extras(sets, progress)`
 method returning a dict (as `SelectionAdapter`'s selection mechanism).
-`check_conditions`, `condition_adapter`, the audit (`phasekv.audit.pipeline`) and the endpoint rule
+`check_conditions`, `condition_adapter`, the audit (`phasekv.auditing.pipeline`) and the endpoint rule
 (`check_served`: a served model is audited as it serves, under `none` only) all read the grammar; nothing in
 `evaluate/`, `report/` or `cli/` changes.
 """

@@ -137,7 +137,7 @@ FORMATS = {
                          filler=" um"),
 }
 # the answer is several tokens (four digits and a period with SmolLM2's digit-by-digit tokenizer): the decode-step
-# audit compares every one of them (`phasekv.audit.decode`)
+# audit compares every one of them (`phasekv.auditing.decode`)
 FORMATS["needle-digits"] = dataclasses.replace(FORMATS["needle"], name="needle-digits", values="digits:4")
 # the long-context formats: (base format, its header with the preamble, preamble tokens per size); with SmolLM2's
 # tokenizer and the settings of the module docstring their prompts are 4,026-4,091 / 8,102-8,155 tokens (both

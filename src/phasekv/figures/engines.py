@@ -1,5 +1,5 @@
 """The engine grid's figure: one row per engine setting, one column per residue (position mod S), the cell a
-percentage (engine-vs-reference agreement or engine accuracy) with its count (`phasekv.audit.engine_grid`)."""
+percentage (engine-vs-reference agreement or engine accuracy) with its count (`phasekv.auditing.engine_grid`)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from phasekv.audit.engine_grid import CHECKS, verdict_class
+from phasekv.auditing.engine_grid import CHECKS, verdict_class
 from phasekv.config import MAX_CONFIG_BYTES, parse_yaml
 from phasekv.evaluate.metrics import wilson_interval
 

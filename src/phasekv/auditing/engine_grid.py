@@ -10,7 +10,7 @@ took from its prefix cache, and what the server reports about its settings (llam
 /metrics and /server_info).  A point whose server keeps a prefix cache requests cannot switch off (vLLM with
 prefix_cache=on: `Launcher.caches_prefix`) is audited with --reuse-prefix, so that a context's queries hit it; the
 other points refuse any cached token unless the grid reuses prefixes everywhere.  The per-point checks (`checks`:
-decode steps, prefix-cache and batch paths, `phasekv.audit.engine_paths`) add their own results.
+decode steps, prefix-cache and batch paths, `phasekv.auditing.engine_paths`) add their own results.
 
 Resuming: the grid works in OUT.grid/ beside OUT (as a journal lives beside OUT) and publishes each finished point
 there atomically as OUT.grid/POINT/ (`phasekv.outputs.output_dir`); a point's answers are journaled as they arrive

@@ -105,7 +105,7 @@ def share(hits: list[bool]) -> dict[str, Any]:
 
 
 def decode_check(steps: int, limit: int | None = None):
-    """The engine grid's per-point check (`phasekv.audit.engine_grid.Check`): decode steps on the query
+    """The engine grid's per-point check (`phasekv.auditing.engine_grid.Check`): decode steps on the query
     protocol's prompts (its lengths move the decode positions across every phase), else the first protocol's."""
 
     def check(adapter, sets, logprobs, reference) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from phasekv.audit.decode import share
+from phasekv.auditing.decode import share
 from phasekv.data.protocols import EvalSet
 from phasekv.engines.client import EndpointAdapter
 from phasekv.engines.wire import Answer, Connection

@@ -1,1 +1,0 @@
-"""phasekv.audit."""
