@@ -127,3 +127,36 @@ def test_a_journal_bound_to_one_prompt_set_refuses_another(tmp_path):
     assert again.bound == {"prompt_set": "abc"}
     with pytest.raises(EndpointError, match="belong to another prompt set"):
         again.bind("prompt_set", "xyz")
+
+
+def test_sharded_and_merged_equals_unsharded_and_a_missing_or_foreign_shard_is_refused(tmp_path, tokenizer_dir,
+                                                                                        capsys):
+    from phasekv.cli import main
+
+    tok, vocab = tokenizer_dir
+    flags = ["--tokenizer", str(tok), *BASE, "--protocol", "prefix", "query"]
+    with servers(tmp_path, vocab, 2) as urls:
+        assert main(["audit", "--endpoint", urls[0], *flags, "--out", str(tmp_path / "whole")]) == 0
+        for i in range(3):  # shards on either server: replicas of one model
+            assert main(["audit", "--endpoint", urls[i % 2], *flags, "--shard", f"{i}/3",
+                         "--out", str(tmp_path / f"s{i}")]) == 0
+        assert main(["audit", "--endpoint", urls[0], *flags, "--seed", "1", "--shard", "2/3",
+                     "--out", str(tmp_path / "other")]) == 0
+    capsys.readouterr()
+    shards = [str(tmp_path / f"s{i}") for i in range(3)]
+    assert main(["audit", "merge", *shards, "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
+    whole, merged = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "merged"))
+    for field in ("model", "format", "conditions", "can_do_task", "settings"):
+        assert merged[field] == whole[field], field
+    answered = [json.loads((tmp_path / f"s{i}" / "shard.json").read_text())["prompts"] for i in range(3)]
+    lines = (tmp_path / "whole" / "endpoint_journal.jsonl").read_text().splitlines()[1:]
+    assert sum(answered) == len(lines) - 1  # the whole run's journal: its answers and one prompt-set line
+    for given, message in (([shards[0], shards[1]], "needs each of 0..2 once"),
+                           ([shards[0], shards[1], str(tmp_path / "other")], "differ in prompt_set"),
+                           ([shards[0], str(tmp_path / "whole")], "holds no shard.json")):
+        assert main(["audit", "merge", *given, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and not (tmp_path / "bad").exists()
+    bad = ["audit", "--endpoint", "http://127.0.0.1:9", *flags, "--shard", "3/3", "--out", str(tmp_path / "x")]
+    assert main(bad) == 2
+    assert "needs 0 <= I < N" in capsys.readouterr().err

@@ -45,7 +45,6 @@ from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.engines.client import EndpointAdapter, check_reference
 from phasekv.engines.journal import prompt_set_key, published
-from phasekv.engines.registry import running_settings
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
@@ -124,7 +123,7 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
         if reference is not None:
             summary["comparison"] = comparison
         if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
-            summary["engine_report"] = running_settings(adapter.api.name, adapter.conn)
+            summary["engine_report"] = adapter.report()
         check_finite(summary)
         write_json(tmp / "summary.json", summary)
         write_audit_report(summary, tmp)

@@ -151,6 +151,9 @@ _INTERNAL = (RuntimeError, MemoryError, RecursionError, TypeError, KeyError, Ind
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["audit", "merge"]:  # `phasekv audit merge DIR...`: its own parser (audit's are flags only)
+        argv = ["audit-merge", *argv[2:]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                             help="the last tokens kept raw")
     endpoint = p.add_argument_group("endpoint (a served model: --endpoint URL)")
     add_endpoint_arguments(endpoint, source)
+    endpoint.add_argument("--shard", metavar="I/N", help="--endpoint: answer shard I of N of the prompt set (every "
+                                                         "N-th prompt) and publish its answers; `phasekv audit merge "
+                                                         "DIR...` joins the N shards into the audit")
     endpoint.add_argument("--reference-hf", metavar="DIR", help="--endpoint, --launch: the same weights in "
                                                                 "transformers (with --gguf-file: that GGUF inside "
                                                                 "DIR): comparison.json, the engine vs reference "
@@ -79,6 +82,35 @@ def add_parser(sub) -> None:
     output.add_argument("--tokens-per-s", type=float, metavar="RATE", help="--dry-run: one server's prefill "
                                                                            "throughput, for the time estimate")
     p.set_defaults(func=run)
+    merge = sub.add_parser("audit-merge", help="phasekv audit merge DIR... --out OUT: join the --shard runs of one "
+                                               "endpoint audit into its audit (no server needed)")
+    merge.add_argument("shards", nargs="+", metavar="DIR", help="the output directories of the shards")
+    merge.add_argument("--out", required=True)
+    merge.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    merge.add_argument("--no-progress", action="store_true")
+    merge.set_defaults(func=run_merge)
+
+
+def run_merge(args) -> dict[str, Any]:
+    from phasekv.auditing.shards import merge_shards
+    from phasekv.outputs import check_output_dir
+
+    for shard in args.shards:
+        out, given = Path(args.out).resolve(), Path(shard).resolve()
+        if out == given or given in out.parents or out in given.parents:
+            raise ValueError(f"--out {args.out}: is, holds or lies inside the shard {shard}; choose another --out")
+    check_output_dir(Path(args.out), args.force)
+    summary = merge_shards(args.shards, args.out, force=args.force, progress=not args.no_progress)
+    print_verdicts(summary)
+    return summary
+
+
+def print_verdicts(summary: dict[str, Any]) -> None:
+    for name, result in summary["conditions"].items():
+        for protocol in summary["settings"]["protocols"]:
+            print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
+            if protocol == "query":
+                print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
 
 
 def check_flags(args, conditions: tuple[str, ...]) -> None:
@@ -121,6 +153,8 @@ def run(args) -> dict[str, Any]:
     expected = check_gate_flags(args)
     if args.dry_run:
         return dry_run(args, conditions)
+    if args.shard is not None:
+        return run_sharded(args)
     if args.launch:
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
@@ -145,11 +179,7 @@ def run(args) -> dict[str, Any]:
     finally:
         if args.endpoint is not None:
             adapter.close()
-    for name, result in summary["conditions"].items():
-        for protocol in summary["settings"]["protocols"]:
-            print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
-            if protocol == "query":
-                print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
+    print_verdicts(summary)
     for protocol, comparison in summary.get("comparison", {}).items():
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
@@ -200,6 +230,35 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
             adapter.close()
     print("\n".join(cost_lines(cost, source)))
     return cost
+
+
+def run_sharded(args) -> dict[str, Any]:
+    """--shard I/N: this shard's answers, published with what `audit merge` needs (auditing.shards)."""
+    from phasekv.auditing.shards import audit_record, parse_shard, run_shard
+    from phasekv.data.formats import FormatVocabulary, load_format
+    from phasekv.engines.client import open_endpoint
+    from phasekv.evaluate.sources import audit_sets
+    from phasekv.outputs import check_output_dir
+
+    shard = parse_shard(args.shard)
+    if args.endpoint is None or args.reference_hf is not None or args.expect or args.write_expect:
+        raise ValueError("--shard: splits an --endpoint audit over machines: needs --endpoint, without "
+                         "--reference-hf, --expect or --write-expect (run those on the merged audit's server)")
+    check_output_dir(Path(args.out), args.force)
+    cfg = config_of(args)
+    plan = AuditPlan(("none",), args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
+    adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
+    try:
+        sets = audit_sets(FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg, plan.protocols,
+                          plan.prompts_per_phase)
+        record = run_shard(adapter, sets, args.out, shard=shard, force=args.force, progress=not args.no_progress,
+                           audit=audit_record(cfg, plan, tokenizer=str(Path(args.tokenizer).resolve()),
+                                              gguf_file=args.gguf_file))
+    finally:
+        adapter.close()
+    print(f"shard {shard[0]}/{shard[1]}: {record['prompts']} prompts answered; join all {shard[1]} with "
+          f"phasekv audit merge DIR... --out OUT")
+    return record
 
 
 def check_gate_flags(args) -> dict[str, Any] | None:

@@ -183,6 +183,12 @@ class EndpointAdapter(Adapter):
                 "concurrency": self.concurrency, "endpoints": len(self.conns),
                 "server_cache": self.cache_config}
 
+    def report(self) -> dict[str, Any] | None:
+        """What the server says about its own settings (its API's `report`), recorded beside the verdict."""
+        from phasekv.engines.registry import running_settings
+
+        return running_settings(self.api.name, self.conn)
+
     def attach(self, journal: Journal) -> None:
         """Journal every answer from now on; the journal's answers are not asked again."""
         for key, answer in journal.answers.items():  # an edited journal is refused like a broken answer

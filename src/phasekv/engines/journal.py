@@ -197,7 +197,8 @@ def keep_journal(adapter, tmp: Path) -> None:
     endpoint_journal.jsonl (every prompt's top-k log-probabilities), a hard link where the file system allows one
     (the journal stays where it is until OUT is published), else a copy."""
     cached = [a.cached for a in adapter.answers.values() if a.cached is not None]
-    record = {**adapter.settings(), "endpoint": adapter.conn.url, "endpoint_urls": [c.url for c in adapter.conns],
+    record = {**adapter.settings(), "endpoint": adapter.conn.url if adapter.conn else None,
+              "endpoint_urls": [c.url for c in adapter.conns],
               "concurrency": adapter.concurrency, "prompt_set": (adapter.journal.bound.get("prompt_set")
                                                                  if adapter.journal else None),
               "prompt_cache": "reuse-prefix" if adapter.reuse_prefix else "off", "answers": len(adapter.answers),
