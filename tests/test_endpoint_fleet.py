@@ -160,3 +160,37 @@ def test_sharded_and_merged_equals_unsharded_and_a_missing_or_foreign_shard_is_r
     bad = ["audit", "--endpoint", "http://127.0.0.1:9", *flags, "--shard", "3/3", "--out", str(tmp_path / "x")]
     assert main(bad) == 2
     assert "needs 0 <= I < N" in capsys.readouterr().err
+
+
+def test_sigterm_leaves_a_partial_summary_and_resume_completes_the_same_audit(tmp_path, tokenizer_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from phasekv.cli import main
+    from phasekv.engines.journal import journal_dir
+
+    tok, vocab = tokenizer_dir
+    flags = ["--tokenizer", str(tok), *BASE, "--protocol", "prefix"]
+    out = tmp_path / "cut"
+    with servers(tmp_path, vocab, 1) as urls:
+        assert main(["audit", "--endpoint", urls[0], *flags, "--out", str(tmp_path / "whole")]) == 0
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "phasekv", "audit", "--endpoint", urls[0], *flags,
+                                 "--out", str(out)], env=env, stderr=subprocess.PIPE, text=True)
+        journal = journal_dir(out) / "endpoint_journal.jsonl"
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and len(journal.read_text().splitlines()) > 6) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 130 and "interrupted" in err and not out.exists()
+        partial = json.loads((journal_dir(out) / "partial_summary.json").read_text())
+        assert partial["partial"] is True and 0 < partial["answered"] < partial["prompts"]
+        assert main(["audit", "--endpoint", urls[0], *flags, "--resume", "--out", str(out)]) == 0
+    whole, resumed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "cut"))
+    assert resumed["conditions"] == whole["conditions"]
+    record = json.loads((out / "endpoint.json").read_text())
+    assert record["answers_from_journal"] >= partial["answered"] and not journal_dir(out).exists()

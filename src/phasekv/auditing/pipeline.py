@@ -44,7 +44,7 @@ from phasekv.conditions.grammar import Geometry, check_conditions, condition_ada
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.engines.client import EndpointAdapter, check_reference
-from phasekv.engines.journal import prompt_set_key, published
+from phasekv.engines.journal import prompt_key, prompt_set_key, published
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
@@ -94,9 +94,14 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
         results: dict[str, Any] = {}
         for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
             cond_adapter = condition_adapter(adapter, condition, geometry)
-            results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p, cfg,
-                                               progress, condition != "none")
-                                  for p, s in sets.items()}
+            try:
+                results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p, cfg,
+                                                   progress, condition != "none")
+                                      for p, s in sets.items()}
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was answered so far, beside the journal
+                if served and adapter.journal is not None:
+                    write_partial(adapter, sets)
+                raise
             results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
             if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
                 results[condition]["kept"] = cond_adapter.kept()
@@ -128,6 +133,31 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
         write_json(tmp / "summary.json", summary)
         write_audit_report(summary, tmp)
     return summary
+
+
+def write_partial(adapter: EndpointAdapter, sets: dict[str, Any]) -> Path:
+    """An interrupted endpoint audit's summary so far, marked `"partial": true`, written atomically beside its
+    journal (in OUT's resumable temporary directory): per protocol the prompts answered and their accuracy, overall
+    and per source phase (no verdict: the groups are incomplete).  `--resume` completes the run."""
+    protocols = {}
+    for name, eval_set in sets.items():
+        per_phase: dict[int, list[int]] = {}
+        for prompt in eval_set.prompts():
+            answer = adapter.answers.get(prompt_key(prompt.ids))
+            if answer is not None:
+                per_phase.setdefault(prompt.query.phase, []).append(int(answer.token == prompt.query.answer))
+        answered = [c for hits in per_phase.values() for c in hits]
+        protocols[name] = {"prompts": len(eval_set.prompts()), "answered": len(answered),
+                           "accuracy": sum(answered) / len(answered) if answered else None,
+                           "per_phase": [{"phase": ph, "n": len(h), "accuracy": sum(h) / len(h)}
+                                         for ph, h in sorted(per_phase.items())]}
+    path = adapter.journal.path.parent / "partial_summary.json"
+    write_json(path, {"partial": True, "model": adapter.info.name, "protocols": protocols,
+                      "answered": sum(p["answered"] for p in protocols.values()),
+                      "prompts": sum(p["prompts"] for p in protocols.values()),
+                      "resume": "the same command with --resume sends only the unanswered prompts"}, atomic=True)
+    log.warning("interrupted: %s holds the answers so far (partial); --resume completes the run", path)
+    return path
 
 
 _TITLES = {"query": "query protocol, by source phase (target position mod S)"}

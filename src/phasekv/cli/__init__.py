@@ -21,7 +21,9 @@ import functools
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet = getattr(args, "no_progress", False) and (
         "transformers" in sys.modules or any(getattr(args, name, None) for name in _TRANSFORMERS_FLAGS))
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         check_inputs_untouched(args)
         with library_bars_off(quiet, gguf=bool(getattr(args, "gguf_file", None))):
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         if is_main():
-            print(f"phasekv {args.command}: interrupted", file=sys.stderr)
+            print(f"phasekv {args.command}: interrupted (an endpoint run keeps its answers: --resume continues it)",
+                  file=sys.stderr)
         return 130
     except _user_errors() as exc:
         if args.verbose:
@@ -190,7 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(RANK_ERROR_GRACE_S)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupt(signum, frame):
+    """SIGTERM as Ctrl-C: the command stops the way an interrupted one does (journals kept, partial summaries
+    written, launched engines stopped), not killed mid-write."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
