@@ -109,3 +109,18 @@ def spec_fields(text: str, parts: list[str], *, what: str, keys: tuple[str, ...]
             raise ValueError(f"{what} {text!r}: {key} given twice")
         fields[key] = value
     return fields
+
+
+# the largest whole number a condition spec takes (sizes, counts, seeds): beyond it a value is a typo that would
+# overflow a tensor, not a setting
+MAX_SPEC_INT = 1 << 31
+
+
+def whole_number(value: str, where: str, high: int = MAX_SPEC_INT) -> int:
+    """`value` as a whole number 0..`high` written in ASCII digits (no sign, no full-width digits); a one-line
+    ValueError starting with `where` otherwise."""
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{where}: {value!r} is not a whole number")
+    if len(value) > len(str(high)) or int(value) > high:
+        raise ValueError(f"{where}: {value} is above the largest allowed, {high}")
+    return int(value)

@@ -394,4 +394,8 @@ def run_launched(args) -> dict[str, Any]:
             if f"{check}_agreement" in row:
                 line += f"; {check}: {100 * row[f'{check}_agreement']:.1f}% of {row[f'{check}_n']} agree"
         print(line)
+    failed = [row for row in summary["rows"] if "failed" in row]
+    if summary["rows"] and len(failed) == len(summary["rows"]):  # a dead engine is no passing gate
+        raise ValueError(f"--launch: every grid point failed, nothing was audited ({args.out} records why); the "
+                         f"first: {failed[0]['failed']}")
     return summary

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasekv.adapters.base import Wrapped, spec_fields
+from phasekv.adapters.base import Wrapped, spec_fields, whole_number
 from phasekv.compression.head_slices import layer_offset, slice_keep
 from phasekv.conditions.selection.kernel import call_geometry
 from phasekv.conditions.selection.pooled import attention_configs, attention_modules
@@ -113,9 +113,7 @@ def parse_slices(text: str) -> SliceSpec:
                          "random][,group=kv|query][,local=N][,sink=N][,seed=N]")
     fields: dict[str, Any] = {}
     for key, value in spec_fields(text, list(filter(None, body.split(","))), what="slices", keys=_KEYS).items():
-        if key not in ("kind", "shift", "group") and not value.isdigit():
-            raise ValueError(f"slices {text!r}: {key}={value!r} is not a whole number")
-        fields[key] = value if key in ("kind", "shift", "group") else int(value)
+        fields[key] = value if key in ("kind", "shift", "group") else whole_number(value, f"slices {text!r}: {key}")
     if fields.get("kind") == "interleaved":
         fields.setdefault("size", 1)
     return SliceSpec(**fields)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from phasekv.adapters.base import Wrapped
+from phasekv.adapters.base import Wrapped, whole_number
 from phasekv.adapters.hf import HFAdapter, read_only
 
 POLICIES = ("select:r", "mean", "max-norm")
@@ -52,14 +52,14 @@ def parse_policy(text: str, window: int) -> Policy:
     keep_first = 0
     for mod in mods:
         name, _, arg = mod.partition(":")
-        if name != "keep-first" or not arg.isdigit():
+        if name != "keep-first" or not arg:
             raise ValueError(f"policy {text!r}: unknown modifier {mod!r} (allowed: keep-first:n with n >= 0)")
         if len(mods) > 1:
             raise ValueError(f"policy {text!r}: at most one keep-first modifier")
-        keep_first = int(arg)
+        keep_first = whole_number(arg, f"policy {text!r}: keep-first")
     name, _, arg = base.partition(":")
     if name == "select":
-        if not arg.isdigit() or int(arg) >= window:
+        if not (arg.isascii() and arg.isdigit()) or len(arg) > 9 or int(arg) >= window:
             raise ValueError(f"policy {text!r}: select needs an offset 0..{window - 1} (the window length W={window})")
         return Policy("select", int(arg), keep_first)
     if name in ("mean", "max-norm") and not arg:

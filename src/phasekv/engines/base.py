@@ -75,8 +75,9 @@ class Setting:
         allowed = self.choices or tuple(self.switch or ())
         if allowed and value not in allowed:
             raise ValueError(f"--engine-grid {key}={value}: must be one of {', '.join(allowed)}")
-        if self.low is not None and not (value.isdigit() and int(value) >= self.low):
-            raise ValueError(f"--engine-grid {key}={value}: must be an integer >= {self.low}")
+        if self.low is not None and not (value.isascii() and value.isdigit() and len(value) <= 9
+                                         and int(value) >= self.low):
+            raise ValueError(f"--engine-grid {key}={value}: must be an integer >= {self.low} (at most 9 digits)")
         return value
 
     def args(self, value: str) -> list[str]:

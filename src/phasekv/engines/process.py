@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -53,7 +54,7 @@ def launched(command: Sequence[str], url: str, *, name: str, health: str = "/hea
     with tempfile.NamedTemporaryFile("w+", prefix=f"{Path(name).name}-", suffix=".log") as log:
         try:
             process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=_die_with_parent, start_new_session=True)
         except OSError as e:
             raise EngineDied(f"{name} could not be started: {e.strerror or e}") from None
         try:
@@ -61,9 +62,8 @@ def launched(command: Sequence[str], url: str, *, name: str, health: str = "/hea
             while True:
                 if process.poll() is not None:
                     raise EngineDied(f"{name} {exit_reason(process.returncode)} before it served: {_tail(log)}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(url + health, timeout=2).status_code == 200:
-                        break
+                if _healthy(url + health):
+                    break
                 if time.monotonic() > deadline:
                     raise EngineDied(f"{name} not healthy after {startup_s:.0f} s: {_tail(log)}")
                 time.sleep(0.2)
@@ -74,19 +74,43 @@ def launched(command: Sequence[str], url: str, *, name: str, health: str = "/hea
             _stop(process)
 
 
+HEALTH_BYTES = 64 << 10  # a health answer is a few bytes: more is not a server's health route
+
+
+def _healthy(url: str) -> bool:
+    """Whether `url` answers 200 within 2 s, reading at most HEALTH_BYTES of an answer that may never end."""
+    deadline = time.monotonic() + 2.0
+    try:
+        with httpx.stream("GET", url, timeout=2) as response:
+            read = 0
+            for chunk in response.iter_bytes():
+                read += len(chunk)
+                if read > HEALTH_BYTES or time.monotonic() > deadline:
+                    return False
+            return response.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _die_with_parent() -> None:
-    """In the child: ask Linux to send SIGTERM when the process that started it dies."""
+    """In the child: ask Linux to KILL it when the process that started it dies (SIGKILL: a server that ignores
+    SIGTERM must not outlive a killed phasekv)."""
     libc = ctypes.CDLL(None)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+STOP_GRACE_S = 20.0
 
 
 def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    """TERM to the server's whole process group (its workers too), KILL after STOP_GRACE_S."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left
+    process.wait()
 
 
 def _tail(log, lines: int = 3) -> str:

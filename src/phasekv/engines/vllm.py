@@ -22,20 +22,21 @@ import httpx
 
 from phasekv.engines.base import Launcher, Setting
 from phasekv.engines.process import EngineDied, free_port, launched
-from phasekv.engines.wire import Connection
+from phasekv.engines.wire import Connection, EndpointError
 
 
 def vllm_cache_config(conn: Connection) -> dict[str, str] | None:
     """vLLM's own account of its KV cache: the labels of the `vllm:cache_config_info` gauge in its Prometheus
-    /metrics (enable_prefix_caching, cache_dtype, block_size, ...); None for a server without it (llama.cpp)."""
+    /metrics (enable_prefix_caching, cache_dtype, block_size, ...), read with the connection's bounds (size and
+    time); None for a server without it (llama.cpp) or that cannot say."""
     try:
-        response = conn.client.get("/metrics")
-    except httpx.TransportError:
+        status, _, _, data = conn.exchange("GET", "/metrics")
+    except (httpx.TransportError, EndpointError):
         return None
-    if response.status_code != 200:
+    if status != 200:
         return None
-    for line in response.text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if line.startswith("vllm:cache_config_info{") and "}" in line:
             return dict(re.findall(r'(\w+)="([^"]*)"', line[:line.rindex("}")]))
     return None
 

@@ -68,7 +68,7 @@ class Connection:
         where = f"{self.url}{path}"
         for attempt in range(self.retries + 1):
             try:
-                status, reason, headers, data = self._exchange(method, path, body, where)
+                status, reason, headers, data = self.exchange(method, path, body)
             except httpx.TransportError as exc:  # refused, reset, timed out: the server may be (re)starting
                 problem = f"cannot reach the server ({type(exc).__name__}: {_first_line(str(exc))})"
             else:
@@ -86,9 +86,10 @@ class Connection:
             raise EndpointError(f"{where}: HTTP {status} ({_message(data, reason)})")
         return _decode(data, where)
 
-    def _exchange(self, method: str, path: str, body: dict | None, where: str) -> tuple[int, str, Any, bytes]:
-        """(status, reason, headers, body) of one request, the body read at most `max_bytes` and within
-        `deadline_s` (a trickle past it reads as a timeout, which is retried)."""
+    def exchange(self, method: str, path: str, body: dict | None = None) -> tuple[int, str, Any, bytes]:
+        """(status, reason, headers, body) of one request, not retried, the body read at most `max_bytes` and within
+        `deadline_s` (a trickle past it reads as a timeout); EndpointError past the size."""
+        where = f"{self.url}{path}"
         deadline = time.monotonic() + self.deadline_s
         with self.client.stream(method, path, json=body) as response:
             data = bytearray()
@@ -131,10 +132,14 @@ def check_url(url: Any) -> None:
         raise EndpointError(f"--endpoint {url}: port 0 is no server's port (1-65535)")
 
 
+MAX_TIMEOUT_S = 7 * 86400.0  # a week: longer is no request's timeout but a typo (and overflows the socket's)
+
+
 def check_timeout(timeout: Any) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            math.isfinite(timeout) and timeout > 0):
-        raise EndpointError(f"--timeout: must be a finite number of seconds > 0, got {timeout}")
+            math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise EndpointError(f"--timeout: must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f} "
+                            f"(a week), got {timeout}")
 
 
 def _decode(data: bytes, where: str) -> Any:

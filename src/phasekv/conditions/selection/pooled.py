@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from phasekv.adapters.base import Wrapped, spec_fields
+from phasekv.adapters.base import Wrapped, spec_fields, whole_number
 from phasekv.conditions.selection.kernel import (
     Geometry,
     call_geometry,
@@ -143,11 +143,15 @@ def parse_selection(text: str) -> SelectionSpec:
                          "[,heads=shared|kv][,indexer=oracle|mean|max|distilled:DIR][,grid=fixed|stagger|jitter]")
     fields: dict[str, Any] = {}
     for key, value in spec_fields(text, body.split(","), what="selection", keys=_KEYS).items():
-        try:
-            fields[key] = float(value) if key == "budget" else value if key in ("heads", "indexer", "grid") \
-                else int(value)
-        except ValueError:
-            raise ValueError(f"selection {text!r}: {key}={value!r} is not a number") from None
+        if key in ("heads", "indexer", "grid"):
+            fields[key] = value
+        elif key == "budget":
+            try:
+                fields[key] = float(value)
+            except ValueError:
+                raise ValueError(f"selection {text!r}: {key}={value!r} is not a number") from None
+        else:
+            fields[key] = whole_number(value, f"selection {text!r}: {key}")
     if "pool" not in fields:
         raise ValueError(f"selection {text!r}: pool=P is required")
     return SelectionSpec(**fields)
