@@ -4,10 +4,14 @@ The long-context needle test (docs/science.md section 3) needs thousands of dist
 length, one-token answers, a one-token filler and, for the needle family, prose.  No word list gives 16,000
 single-token keys for every tokenizer, so a key is a code of `key_tokens` pieces, each a single-token word with
 a leading space (" owl", " river"): byte-level BPE (GPT-2) and metaspace BPE (Llama, SentencePiece-like) both
-split text at spaces before merging, so the pieces of a code cannot merge across their boundaries, and a code
-of k pieces over an alphabet of A words gives A^k distinct keys of exactly k tokens.  That argument is checked,
-not assumed: every piece, every adjacent pair of pieces, and each piece before the key terminator ":" must
+split text at spaces before merging, so the pieces of a code cannot merge across their boundaries, and every code
+is exactly k tokens.  That argument is checked, not assumed: every piece, every adjacent pair of pieces, and each
+piece before the key terminator ":" must
 tokenize back to exactly its own ids (round-trip tokenization); a piece that fails any check is dropped.
+
+A code's first piece is a word found nowhere in the prose, header or tail, so a key occurs in a prompt only as
+itself (its other pieces may be any key words); a code of k pieces over A1 first and A other words gives
+A1 A^(k - 1) distinct keys.
 
 A record is `<code>:` followed by a one-token value `" Name"`; the answer is that value token.  Values are
 person names, keys are ordinary words, and the two alphabets never share a token.
@@ -68,6 +72,7 @@ class KeySpace:
 
     bos: int
     pieces: np.ndarray  # (A,) single-token key words
+    first: np.ndarray  # (A1,) the pieces that occur in no prose, header or tail: a code's first piece
     terminator: int  # ":" after a key code
     values: np.ndarray  # (V,) single-token answers
     filler: int  # one padding token
@@ -78,15 +83,17 @@ class KeySpace:
 
     def size(self, key_tokens: int) -> int:
         """Distinct keys of `key_tokens` pieces."""
-        return len(self.pieces) ** key_tokens
+        return len(self.first) * len(self.pieces) ** (key_tokens - 1)
 
     def codes(self, numbers: np.ndarray, key_tokens: int) -> np.ndarray:
-        """Key numbers (n,) in [0, size) -> their pieces (n, key_tokens), most significant piece first."""
-        digits = np.empty((len(numbers), key_tokens), dtype=np.int64)
+        """Key numbers (n,) in [0, size) -> their pieces (n, key_tokens): a first piece, then any pieces."""
+        codes = np.empty((len(numbers), key_tokens), dtype=np.int64)
         rest = np.asarray(numbers, dtype=np.int64)
-        for k in reversed(range(key_tokens)):
-            rest, digits[:, k] = np.divmod(rest, len(self.pieces))
-        return self.pieces[digits]
+        for k in reversed(range(1, key_tokens)):
+            rest, digit = np.divmod(rest, len(self.pieces))
+            codes[:, k] = self.pieces[digit]
+        codes[:, 0] = self.first[rest]
+        return codes
 
     def prose(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """n tokens of whole sentences in a random order (each pass over the list in its own order), cut at n."""
@@ -110,8 +117,9 @@ def _in_context(encode, lead: str = " the"):
 
 
 def build_key_space(tokenizer: Any) -> KeySpace:
-    """The pieces of `tokenizer` (module docstring), every one checked by round-trip tokenization: alone, before
-    ":", and between two other pieces (its neighbours in the list, so every piece is checked on both sides)."""
+    """The pieces of `tokenizer` (module docstring), every one checked by round-trip tokenization after running
+    text: alone, before ":", and after and before another piece (its neighbours in the list; a pair that fails
+    drops both)."""
     plain = _encoder(tokenizer)
     encode = _in_context(plain)
     key_words, names = _candidate_words()
@@ -126,10 +134,12 @@ def build_key_space(tokenizer: Any) -> KeySpace:
     taken = set(values.values())
     keys = {w: i for w, i in single(key_words).items() if i not in taken}
     words = list(keys)
-    triples = [(words[k - 1], w, words[(k + 1) % len(words)]) for k, w in enumerate(words)]
-    checked = encode([f" {a} {b} {c}{_TERMINATOR}" for a, b, c in triples])
-    pieces = np.array([keys[b] for (a, b, c), ids in zip(triples, checked)
-                       if ids == [keys[a], keys[b], keys[c], terminator[0]]], dtype=np.int64)
+    pairs = [(words[k - 1], w) for k, w in enumerate(words)]  # every piece after one and before another
+    bad = {w for (w, ids) in zip(words, encode([f" {w}{_TERMINATOR}" for w in words]))
+           if ids != [keys[w], terminator[0]]}
+    bad |= {w for (a, b), ids in zip(pairs, encode([f" {a} {b}" for a, b in pairs]))
+            if ids != [keys[a], keys[b]] for w in (a, b)}
+    pieces = np.array([keys[w] for w in words if w not in bad], dtype=np.int64)
     record = encode([f"{_TERMINATOR} {n}" for n in values])
     answers = np.array([i for (n, i), ids in zip(values.items(), record) if ids == [terminator[0], i]],
                        dtype=np.int64)
@@ -140,9 +150,42 @@ def build_key_space(tokenizer: Any) -> KeySpace:
     newline = encode(["\n"])[0]
     if filler is None or newline is None or len(newline) != 1:
         raise ValueError(f"tokenizer: none of the fillers {_FILLERS} (or the newline) is one token")
-    return KeySpace(bos=_bos(tokenizer), pieces=pieces, terminator=terminator[0], values=answers, filler=filler,
-                    newline=newline[0], header={f: np.array(plain([t])[0], dtype=np.int64)
-                                                for f, t in _HEADERS.items()},
-                    tail=np.array(encode([_TAIL])[0], dtype=np.int64),
-                    sentences=[np.array(ids, dtype=np.int64) for ids in encode([" " + s for s in haystack_sentences()])
-                               if ids])
+    header = {f: np.array(plain([t])[0], dtype=np.int64) for f, t in _HEADERS.items()}
+    tail = np.array(encode([_TAIL])[0], dtype=np.int64)
+    sentences = [np.array(ids, dtype=np.int64) for ids in encode([" " + s for s in haystack_sentences()]) if ids]
+    # a code starts with a token found nowhere but at the start of codes, so no key can occur in the prose, the
+    # frame, or across a record's boundary (its other pieces may be prose words)
+    seen = np.concatenate([*sentences, *header.values(), tail])
+    first = pieces[~np.isin(pieces, seen)]
+    if len(first) < 2:
+        raise ValueError(f"tokenizer: only {len(first)} single-token key words occur nowhere in the prose; a "
+                         "long-context prompt set needs at least 2")
+    return KeySpace(bos=_bos(tokenizer), pieces=pieces, first=first, terminator=terminator[0], values=answers,
+                    filler=filler, newline=newline[0], header=header, tail=tail, sentences=sentences)
+
+
+def train_bpe(kind: str = "byte-level", vocab_size: int = 3000):
+    """A small BPE tokenizer (`tokenizers.Tokenizer`) trained in well under a second on the built-in prose and word
+    lists, for tests and benchmarks that need a real subword tokenizer without a download: "byte-level" (GPT-2's
+    family: byte alphabet, regex pre-split) or "metaspace" (Llama's SentencePiece-like family: spaces become "▁")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    keys, names = _candidate_words()
+    lines = list(haystack_sentences()) * 3 + [" ".join(keys[i:i + 12]) + ":" for i in range(0, len(keys), 12)] * 20
+    lines += [": " + " ".join(names[i:i + 12]) for i in range(0, len(names), 12)] * 20
+    lines += [_HEADERS["needle"] + _HEADERS["records"] + _TAIL + " ..."] * 5
+    if kind == "byte-level":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        specials, alphabet = ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet()
+    elif kind == "metaspace":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+        specials, alphabet = ["<unk>", "<s>", "</s>"], []
+    else:
+        raise ValueError(f"kind: must be 'byte-level' or 'metaspace', got {kind!r}")
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=alphabet, show_progress=False))
+    return tok

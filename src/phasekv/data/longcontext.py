@@ -160,7 +160,7 @@ class LongContextSet:
     def _design(self) -> None:
         spec, R = self.spec, self.spec.modulus
         K = spec.per_group // R
-        if K > self.n:
+        if self.n < K:
             raise ValueError(f"per_group: {spec.per_group} prompts per group need {K} target records per depth, "
                              f"the context holds {self.n} records")
         rng = np.random.default_rng([spec.seed, _TAG, 0])
@@ -227,15 +227,17 @@ class LongContextSet:
                 t, q = self.target_position(c, s), self.query_position(s)
                 r = (t if coordinate == "target" else q) % modulus
                 n[r], s1[r], s2[r], sq[r] = n[r] + 1, s1[r] + t, s2[r] + t * t, sq[r] + q
-        means = [Fraction(s1[r], n[r]) for r in range(modulus)]
-        variances = [Fraction(n[r] * s2[r] - s1[r] ** 2, n[r] ** 2) for r in range(modulus)]
+        full = [r for r in range(modulus) if n[r]]  # a fixed query position fills one query group only
+        means = {r: Fraction(s1[r], n[r]) for r in full}
+        variances = {r: Fraction(n[r] * s2[r] - s1[r] ** 2, n[r] ** 2) for r in full}
         return {"modulus": modulus, "coordinate": coordinate, "n_prompts": sum(n),
                 "query_positions": sorted({self.query_position(s) for s in range(self.spec.modulus)}),
                 "per_group": [{"group": r, "n": n[r], "mean": float(means[r]), "variance": float(variances[r]),
-                               "mean_query_position": float(Fraction(sq[r], n[r]))} for r in range(modulus)],
-                "exact": len(set(means)) == 1 and len(set(variances)) == 1 and len(set(n)) == 1,
-                "max_mean_gap": float(max(means) - min(means)),
-                "max_variance_gap": float(max(variances) - min(variances))}
+                               "mean_query_position": float(Fraction(sq[r], n[r]))} for r in full],
+                "exact": len(set(means.values())) == 1 and len(set(variances.values())) == 1
+                and len({n[r] for r in full}) == 1,
+                "max_mean_gap": float(max(means.values()) - min(means.values())),
+                "max_variance_gap": float(max(variances.values()) - min(variances.values()))}
 
     # ---- the token ids, on demand ----
 
