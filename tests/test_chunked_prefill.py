@@ -1,0 +1,104 @@
+"""Chunked prefill (`HFAdapter(prefill_chunk=C)`, `PhaseKVAdapter(prefill_chunk=C)`) against its reference, the
+one-shot prefill: the same cache and the same query logits to 1e-5 on tiny transformers Llama / Qwen3 (eager and
+sdpa) and phasekv models, with and without a shared prefix, chunks that divide the context and chunks that do not;
+a post-hoc compression condition gives the same per-prompt answers either way; the memory estimate follows the
+attention implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasekv.adapters.hf import HFAdapter, forward_bytes
+from phasekv.adapters.phasekv import PhaseKVAdapter
+from phasekv.adapters.posthoc import PosthocAdapter
+from phasekv.model import build_model
+from tests.helpers import tiny, tiny_causal_lm
+
+VOCAB, T, Q = 61, 203, 3  # context length (prime: no chunk size divides it), query length
+
+
+def _ids(rows: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(family: str, attention: str, chunk: int) -> tuple[HFAdapter, HFAdapter]:
+    model = tiny_causal_lm(family, VOCAB, 512, attention)
+    return HFAdapter(model, "one-shot"), HFAdapter(model, "chunked", prefill_chunk=chunk)
+
+
+@pytest.mark.parametrize(("family", "attention"), [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "sdpa")])
+@pytest.mark.parametrize("chunk", [16, 50, 202, 203, 4096])
+def test_chunked_prefill_equals_one_shot(family, attention, chunk):
+    whole, chunked = _pair(family, attention, chunk)
+    ids, queries = _ids(2, T, 1), _ids(2 * 2, Q, 2)
+    (reference, length), (past, same) = whole.prefill(ids), chunked.prefill(ids)
+    assert length == same == T
+    for a, b in zip(reference.layers, past.layers):
+        assert a.keys.shape == b.keys.shape == (2, 2, T, 8)
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=0)
+    expected = whole.continue_from((reference, length), queries, 2)
+    torch.testing.assert_close(chunked.continue_from((past, same), queries, 2), expected, atol=1e-5, rtol=0)
+    # and against one forward per full prompt, the reference of the multi-query path
+    full = whole.logits(torch.cat([ids.repeat_interleave(2, 0), queries], 1))[:, T:]
+    torch.testing.assert_close(expected, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_a_shared_prefix_is_prefilled_in_chunks_too(chunk):
+    whole, chunked = _pair("llama", "sdpa", chunk)
+    ids = _ids(3, T, 3)
+    ids[:, :170] = ids[0, :170]  # 170 of 203 tokens in common: shared (SHARE_PREFIX_FROM)
+    queries = _ids(3, Q, 4)
+    expected = whole.continue_from(whole.prefill(ids), queries, 1)
+    got = chunked.continue_from(chunked.prefill(ids, prefix=170), queries, 1)
+    assert chunked._prefix is not None and len(chunked._prefix[0]) == 170
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 37])
+def test_a_phasekv_model_prefills_in_chunks(chunk):
+    torch.manual_seed(0)
+    model = build_model(tiny(compressor="gated", window=8, stride=4, vocab_size=VOCAB)).eval()
+    whole, chunked = PhaseKVAdapter(model), PhaseKVAdapter(model, prefill_chunk=chunk)
+    ids, queries = _ids(2, 150, 5), _ids(2 * 3, Q, 6)
+    expected = whole.continue_from(whole.prefill(ids), queries, 3)
+    torch.testing.assert_close(chunked.continue_from(chunked.prefill(ids), queries, 3), expected, atol=1e-5, rtol=0)
+    full = whole.logits(torch.cat([ids.repeat_interleave(3, 0), queries], 1))[:, 150:]
+    torch.testing.assert_close(expected, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["mean", "select:3+keep-first:1", "max-norm"])
+def test_a_posthoc_condition_answers_the_same_on_a_chunked_cache(policy):
+    whole, chunked = _pair("qwen3", "sdpa", 32)
+    ids, queries = _ids(8, T, 7), _ids(8, Q, 8)
+    answers = []
+    for inner in (whole, chunked):
+        post = PosthocAdapter(inner, policy, window=8, stride=4, local_window=16)
+        logits = post.continue_from(post.prefill(ids), queries, 1)[:, -1]  # (prompts, V)
+        answers.append((logits.argmax(-1), logits, dict(post.bytes)))
+    assert torch.equal(answers[0][0], answers[1][0])
+    torch.testing.assert_close(answers[1][1], answers[0][1], atol=1e-5, rtol=0)
+    assert answers[0][2] == answers[1][2] and answers[0][2]["compressed"] < answers[0][2]["full"]
+
+
+def test_the_memory_estimate_follows_the_attention_implementation():
+    config = tiny_causal_lm("llama", VOCAB, 512, "eager").config
+    heads, length, chunk = config.num_attention_heads, 32768, 1024
+    one_eager, one_sdpa = (forward_bytes(config, length, 1, 4, eager) for eager in (True, False))
+    assert one_eager - one_sdpa == 2 * heads * length * length * 4  # eager's float32 scores and probabilities
+    eager, sdpa = (forward_bytes(config, length, 1, 4, e, chunk=chunk) for e in (True, False))
+    assert eager - sdpa == 2 * heads * chunk * length * 4 - chunk * length * 4  # sdpa holds a chunk's mask
+    assert sdpa < eager < one_eager / 16 and forward_bytes(config, length, 1, 4, False, chunk=length) == one_sdpa
+    assert forward_bytes(config, length, 3, 4, True, chunk=chunk) == 3 * eager
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_a_bad_chunk_is_one_line(bad):
+    model = tiny_causal_lm("llama", VOCAB, 64, "sdpa")
+    for make in (lambda: HFAdapter(model, "x", prefill_chunk=bad),
+                 lambda: PhaseKVAdapter(build_model(tiny()), prefill_chunk=bad)):
+        with pytest.raises(ValueError, match="prefill_chunk: must be an integer >= 0") as info:
+            make()
+        assert "\n" not in str(info.value)
