@@ -154,3 +154,27 @@ def test_impossible_requests_are_one_line(changes, message):
     for bad in ((prompts.n_clusters, 0), (0, 8), (0, 0, 1)):
         with pytest.raises(ValueError, match="must be an integer in"):
             prompts.prompt(*bad)
+
+
+def test_a_tokenizer_that_cannot_render_the_set_is_one_line():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1}))  # no unknown token: tokenizers raises a bare Exception
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    for make, message in ((lambda: build_key_space(words), "tokenizer: cannot encode the long-context set's text"),
+                          (lambda: train_bpe("unigram"), "kind: must be 'byte-level' or 'metaspace'")):
+        with pytest.raises(ValueError, match=message) as info:
+            make()
+        assert "\n" not in str(info.value)
+
+
+def test_depths_from_a_list_and_the_settings_a_run_records():
+    keys = build_key_space(train_bpe("byte-level"))
+    prompts = LongContextSet(LongContextSpec(depths=[0.25, 0.75], per_group=64), keys=keys)
+    assert prompts.spec.depths == (0.25, 0.75) and prompts.n_prompts == 2 * 64 * 8
+    settings = prompts.settings
+    assert settings["n_records"] == prompts.n and settings["key_space"] >= MIN_KEYS
+    assert settings["context"] == 8192 and settings["depths"] == [0.25, 0.75]
+    deep = [p.target_position for p in prompts.prompts(range(64, 128))]
+    shallow = [p.target_position for p in prompts.prompts(range(64))]
+    assert max(shallow) < min(deep)  # the clusters of the first depth come first

@@ -38,10 +38,18 @@ _TERMINATOR = ":"
 
 
 def _encoder(tokenizer: Any):
-    """A function texts -> lists of ids (no special tokens) for a transformers or a `tokenizers` tokenizer."""
-    if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
-        return lambda texts: [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    return lambda texts: tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    """A function texts -> lists of ids (no special tokens) for a transformers or a `tokenizers` tokenizer; a text
+    it cannot encode is one ValueError."""
+    def encode(texts):
+        try:
+            if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
+                return [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+            return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for unknown words
+            raise ValueError(f"tokenizer: cannot encode the long-context set's text ({str(exc).splitlines()[0]}); a "
+                             "word-level tokenizer without an unknown token (a phasekv checkpoint's) renders no "
+                             "long-context set") from None
+    return encode
 
 
 def _bos(tokenizer: Any) -> int:

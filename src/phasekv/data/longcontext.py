@@ -78,6 +78,8 @@ class LongContextSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.depths, (list, tuple)):  # a list from a config file or flags: hashable, like the rest
+            object.__setattr__(self, "depths", tuple(self.depths))
         if self.family not in FAMILIES:
             raise ValueError(f"family: must be one of {FAMILIES}, got {self.family!r}")
         if self.protocol not in PROTOCOLS:
