@@ -102,3 +102,33 @@ def test_a_bad_chunk_is_one_line(bad):
         with pytest.raises(ValueError, match="prefill_chunk: must be an integer >= 0") as info:
             make()
         assert "\n" not in str(info.value)
+
+
+def test_a_long_context_set_gets_the_same_answers_per_phase_chunked_or_not():
+    """A prompt set of `phasekv.data.longcontext` through a post-hoc condition: chunked and one-shot prefill give the
+    same answer to every prompt, hence the same accuracy in every phase group."""
+    import transformers
+
+    from phasekv.data.keyspace import train_bpe
+    from phasekv.data.longcontext import LongContextSet, LongContextSpec
+
+    tokenizer = train_bpe("byte-level")
+    prompts = LongContextSet(LongContextSpec(context=256, per_group=64), tokenizer)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)).float()
+    model.config._attn_implementation = "sdpa"
+    query = prompts.spec.key_tokens + 1  # the target's code and ":"
+    batch = list(prompts.prompts(range(0, 64, 8)))  # 8 clusters x 8 shifts
+    ids = torch.as_tensor([p.ids.tolist() for p in batch])
+    right = {}
+    for chunk in (0, 48):
+        post = PosthocAdapter(HFAdapter(model, "llama", prefill_chunk=chunk), "mean", window=8, stride=8,
+                              local_window=16)
+        logits = post.continue_from(post.prefill(ids[:, :-query]), ids[:, -query:], 1)[:, -1]
+        right[chunk] = [int(a) == p.answer for a, p in zip(logits.argmax(-1), batch)]
+        assert torch.equal(logits.argmax(-1), right.setdefault("answers", logits.argmax(-1)))
+    for phase in range(8):
+        group = [i for i, p in enumerate(batch) if p.phase == phase]
+        assert len(group) == 8 and sum(right[0][i] for i in group) == sum(right[48][i] for i in group)
