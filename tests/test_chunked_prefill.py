@@ -13,7 +13,7 @@ from phasekv.adapters.hf import HFAdapter, forward_bytes
 from phasekv.adapters.phasekv import PhaseKVAdapter
 from phasekv.adapters.posthoc import PosthocAdapter
 from phasekv.model import build_model
-from tests.helpers import tiny, tiny_causal_lm
+from tests.helpers import SMOL, SMOL_FILE, needs_real_model, tiny, tiny_causal_lm
 
 VOCAB, T, Q = 61, 203, 3  # context length (prime: no chunk size divides it), query length
 
@@ -132,3 +132,22 @@ def test_a_long_context_set_gets_the_same_answers_per_phase_chunked_or_not():
     for phase in range(8):
         group = [i for i, p in enumerate(batch) if p.phase == phase]
         assert len(group) == 8 and sum(right[0][i] for i in group) == sum(right[48][i] for i in group)
+
+
+@needs_real_model
+def test_smollm2_prefills_a_long_context_set_in_chunks():
+    """SmolLM2 (sdpa, float32) on 2 prompts of 1,024 tokens of the records family: chunked prefill gives the
+    one-shot logits and answers."""
+    from phasekv.adapters.hf import load_hf
+    from phasekv.data.longcontext import LongContextSet, LongContextSpec
+
+    adapter, tokenizer = load_hf(str(SMOL), gguf_file=SMOL_FILE)
+    prompts = LongContextSet(LongContextSpec(context=1024, per_group=64), tokenizer)
+    batch = [prompts.prompt(0, 0), prompts.prompt(0, 5)]
+    ids, query = torch.as_tensor([p.ids.tolist() for p in batch]), prompts.spec.key_tokens + 1
+    out = []
+    for chunk in (0, 200):
+        adapter.prefill_chunk = chunk
+        out.append(adapter.continue_from(adapter.prefill(ids[:, :-query]), ids[:, -query:], 1)[:, -1])
+    torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
