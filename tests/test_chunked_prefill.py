@@ -151,3 +151,21 @@ def test_smollm2_prefills_a_long_context_set_in_chunks():
         out.append(adapter.continue_from(adapter.prefill(ids[:, :-query]), ids[:, -query:], 1)[:, -1])
     torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
+
+
+def test_a_context_too_large_at_once_is_refused_in_one_line_and_prefilled_in_chunks(monkeypatch):
+    from phasekv import memory
+
+    whole, chunked = _pair("llama", "eager", 32)
+    ids = _ids(1, T, 9)
+    config = whole.module.config
+    small, large = (forward_bytes(config, T, 1, 4, True, chunk=c) for c in (32, 0))
+    monkeypatch.setattr(memory, "available_memory", lambda: (small + large) // 2)
+    with pytest.raises(ValueError, match=r"^context: a forward of 1 x 203 tokens of one-shot: needs about .*; lower "
+                                         r"--batch-size, the prompt length or the prefill chunk$"):
+        whole.prefill(ids)
+    past, length = chunked.prefill(ids)
+    assert length == T and past.get_seq_length() == T
+    monkeypatch.setattr(memory, "available_memory", lambda: small - 1)
+    with pytest.raises(ValueError, match=r"^context: a forward of 1 x 203 tokens in chunks of 32 of chunked: needs"):
+        chunked.prefill(ids)
