@@ -23,10 +23,20 @@ of a broadcast view of them.  A suffix forward needs an explicit causal mask, wh
 dearer than a plain prefill's, so the prefix is shared only when it is at least `SHARE_PREFIX_FROM` of the
 context.
 
+Chunked prefill (`prefill_chunk` = C > 0): a context (and a shared prefix) is prefilled C tokens at a time, each
+chunk at its true positions on top of the cache of the chunks before it, so a prefill holds the KV cache plus one
+chunk's activations and attention, (C, T) per row instead of (T, T): what lets a 135M model prefill 32K tokens on
+a laptop.  The one-shot prefill is its reference (tests/test_chunked_prefill.py: the same cache and query logits
+to 1e-5, and the same answers under a post-hoc compression condition).
+
 Layout: transformers cache tensors are (B, H_kv, T, D); query ids come context-major, (B * n, t).
 
-Memory: before each forward, `check_memory(length, rows)` estimates its peak (`forward_bytes`) and refuses,
-in one line and before any compute, a batch of contexts that would not fit in the available memory.
+Memory: before each forward, `check_memory(length, rows, chunk)` estimates its peak (`forward_bytes`) and refuses,
+in one line and before any compute, a batch of contexts that would not fit in the available memory.  The
+attention term follows the implementation: eager materializes float32 scores and probabilities, (heads, q, T) per
+row; sdpa materializes only the mask transformers builds once queries follow cached tokens, (q, T) per row (its
+CPU and GPU kernels work in blocks; measured: 54 MiB for a (4096, 4096) boolean mask on CPU against 1 GiB for
+eager's (8, 4096, 4096)), and nothing for a one-shot causal prefill.
 """
 
 from __future__ import annotations
@@ -93,18 +103,21 @@ def query_mask(entries: int, repeats: int, length: int, dtype: torch.dtype, devi
     return mask[None, None]
 
 
-def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: bool) -> int:
+def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: bool, *, chunk: int = 0) -> int:
     """Estimated peak bytes, beyond the weights, of one forward of a transformers decoder over `rows` sequences of
-    `length` tokens: the K/V of every layer (the cache a prefill keeps), one layer's activations at a time
-    (hidden states, queries, the grouped K/V repeated per query head, the MLP's three intermediate tensors) and,
-    for eager attention, its (heads, T, T) float32 scores and probabilities; the last position's logits."""
+    `length` tokens, prefilled `chunk` tokens at a time (0: at once): the K/V of every layer (the cache a prefill
+    keeps), one layer's activations of one chunk at a time (hidden states, queries, the grouped K/V repeated per
+    query head, the MLP's three intermediate tensors), the attention's own tensors (eager: (heads, q, T) float32
+    scores and probabilities; sdpa: the (q, T) mask of a chunk behind cached tokens, counted as float32) and the
+    last position's logits."""
     text = text_config(config)
     heads, hidden = text.num_attention_heads, text.hidden_size
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv = text.num_hidden_layers * 2 * kv_heads * head_dim * length
-    layer = length * (4 * hidden + 3 * heads * head_dim + 3 * (getattr(text, "intermediate_size", None) or 4 * hidden))
-    scores = 2 * heads * length * length * 4 if eager else 0
+    q = chunk if 0 < chunk < length else length
+    layer = q * (4 * hidden + 3 * heads * head_dim + 3 * (getattr(text, "intermediate_size", None) or 4 * hidden))
+    scores = 2 * heads * q * length * 4 if eager else (q * length * 4 if q < length else 0)
     return rows * ((kv + layer) * bytes_per_value + scores + text.vocab_size * 4)
 
 
@@ -114,7 +127,11 @@ class HFAdapter(Adapter):
 
     shares_prefix = True
 
-    def __init__(self, model: nn.Module, name: str, stride: int | None = None, local_window: int | None = None):
+    def __init__(self, model: nn.Module, name: str, stride: int | None = None, local_window: int | None = None,
+                 *, prefill_chunk: int = 0):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be an integer >= 0 (0: one forward), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         cfg = model.config
         text = text_config(cfg)
         heads = text.num_attention_heads
@@ -161,14 +178,15 @@ class HFAdapter(Adapter):
         self.check_memory(ids.shape[1], ids.shape[0])
         return self.module(input_ids=ids.to(self.device), use_cache=False, **self._last).logits[:, -1:]
 
-    def check_memory(self, length: int, rows: int) -> None:
-        """Refuse (one-line ValueError), before it runs, a forward over `rows` sequences of `length` tokens whose
-        estimated peak (`forward_bytes`) exceeds the memory available now."""
+    def check_memory(self, length: int, rows: int, chunk: int = 0) -> None:
+        """Refuse (one-line ValueError), before it runs, a forward over `rows` sequences of `length` tokens (in chunks
+        of `chunk`, 0: at once) whose estimated peak (`forward_bytes`) exceeds the memory available now."""
         dtype = next(self.module.parameters()).dtype
         eager = getattr(self.module.config, "_attn_implementation", None) == "eager"
-        need = forward_bytes(self.module.config, length, rows, torch.finfo(dtype).bits // 8, eager)
-        check_budget(need, f"context: a forward of {rows} x {length} tokens of {self.info.name}", device=self.device,
-                     advice="lower --batch-size or the prompt length")
+        need = forward_bytes(self.module.config, length, rows, torch.finfo(dtype).bits // 8, eager, chunk=chunk)
+        pieces = f" in chunks of {chunk}" if 0 < chunk < length else ""
+        check_budget(need, f"context: a forward of {rows} x {length} tokens{pieces} of {self.info.name}",
+                     device=self.device, advice="lower --batch-size, the prompt length or the prefill chunk")
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
@@ -176,27 +194,35 @@ class HFAdapter(Adapter):
         call of this evaluation; at least SHARE_PREFIX_FROM of the context, they are prefilled once."""
         ids = ids.to(self.device)
         rows, length = ids.shape
-        self.check_memory(length, rows)
+        self.check_memory(length, rows, self.prefill_chunk)
         if not SHARE_PREFIX_FROM * length <= prefix < length:
-            out = self.module(input_ids=ids, use_cache=True, **self._last)
-        else:
-            if not torch.equal(ids[:, :prefix], ids[:1, :prefix].expand(rows, -1)):
-                raise ValueError(f"prefix: the rows differ within their first {prefix} tokens")
-            shared = [(layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
-                      for layer in self._shared_prefix(ids[0, :prefix]).layers]  # broadcast views, (B, H, P, D)
-            positions = torch.arange(prefix, length, device=self.device).expand(rows, -1)
-            out = self.module(input_ids=ids[:, prefix:], position_ids=positions, use_cache=True,
-                              **{self._cache_arg: read_only(shared, keep=True)}, **self._last)
-        past = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5.x
-        return (past, length)
+            return (self._extend(ids, 0, None), length)
+        if not torch.equal(ids[:, :prefix], ids[:1, :prefix].expand(rows, -1)):
+            raise ValueError(f"prefix: the rows differ within their first {prefix} tokens")
+        shared = [(layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
+                  for layer in self._shared_prefix(ids[0, :prefix]).layers]  # broadcast views, (B, H, P, D)
+        return (self._extend(ids[:, prefix:], prefix, read_only(shared, keep=True)), length)
+
+    def _extend(self, ids: torch.Tensor, start: int, past):
+        """The cache of `past` (None: empty) extended by ids (B, t) at positions start.., `prefill_chunk` tokens per
+        forward (all at once when 0): each chunk sees the cache of every token before it, as in one forward."""
+        step = self.prefill_chunk or ids.shape[1]
+        for lo in range(0, ids.shape[1], step):
+            piece = ids[:, lo:lo + step]
+            more = {} if past is None else {self._cache_arg: past}
+            if start + lo:  # a one-shot prefill from 0 passes no positions, as before chunking existed
+                more["position_ids"] = torch.arange(start + lo, start + lo + piece.shape[1],
+                                                    device=self.device).expand(piece.shape[0], -1)
+            out = self.module(input_ids=piece, use_cache=True, **more, **self._last)
+            past = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5.x
+        return past
 
     def _shared_prefix(self, ids: torch.Tensor):
         """The cache of one row of prefix ids (T,), prefilled once while the same prefix keeps coming."""
         key = tuple(ids.tolist())
         if self._prefix is None or self._prefix[0] != key:
             self._prefix = None  # the previous prefix's cache is released before the new one is built
-            out = self.module(input_ids=ids[None], use_cache=True, **self._last)
-            self._prefix = (key, getattr(out, "cache", None) or out.past_key_values)
+            self._prefix = (key, self._extend(ids[None], 0, None))
         return self._prefix[1]
 
     def reads_in_place(self, past) -> bool:
@@ -237,12 +263,13 @@ class HFAdapter(Adapter):
 
 
 def load_hf(path: str, device: str = "cpu", dtype: str = "float32", *, device_map: str | None = None,
-            stride: int | None = None, local_window: int | None = None, gguf_file: str | None = None):
+            stride: int | None = None, local_window: int | None = None, gguf_file: str | None = None,
+            prefill_chunk: int = 0):
     """(HFAdapter, tokenizer) for a local directory or hub name (no download happens offline).
 
     device_map="auto" spreads a large model over the available GPUs (needs `accelerate`); `gguf_file`
     loads that GGUF file inside `path` through transformers' GGUF support, dequantized to `dtype`
-    (needs the `gguf` extra: gguf + accelerate)."""
+    (needs the `gguf` extra: gguf + accelerate); `prefill_chunk`: tokens per prefill forward (0: all at once)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
@@ -276,7 +303,7 @@ def load_hf(path: str, device: str = "cpu", dtype: str = "float32", *, device_ma
     if not device_map:
         model = model.to(device)
     name = Path(path).name or str(path)
-    return HFAdapter(model, name, stride=stride, local_window=local_window), tokenizer
+    return HFAdapter(model, name, stride=stride, local_window=local_window, prefill_chunk=prefill_chunk), tokenizer
 
 
 def check_causal_lm(path: str, hf_config, tokenizer_size: int) -> None:

@@ -1,7 +1,9 @@
 """The adapter of a phasekv model (`PhaseKVForCausalLM`), and `adapter_for`, the adapter of a model of either family.
 
 A phasekv model's queries read the prefilled `KVCache` in place (`KVCache.shared`), so one call continues many
-contexts' queries at once without a copy of the cache per query.
+contexts' queries at once without a copy of the cache per query.  `prefill_chunk` = C > 0 prefills a context C tokens
+at a time into the same cache (the cache carries partial windows across calls, as in decoding), so the activations
+of a prefill are one chunk's; the one-shot prefill is its reference (tests/test_chunked_prefill.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ class PhaseKVAdapter(Adapter):
     # queries at once without a copy of the cache per query
     shares_cache = True
 
-    def __init__(self, model: nn.Module, name: str = "phasekv"):
+    def __init__(self, model: nn.Module, name: str = "phasekv", *, prefill_chunk: int = 0):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be an integer >= 0 (0: one forward), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         cfg = model.config
         self.module, self.device = model.eval(), next(model.parameters()).device
         windowed = any(kind != "full" for kind in cfg.layer_types)
@@ -39,8 +44,10 @@ class PhaseKVAdapter(Adapter):
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> KVCache:
-        cache = KVCache()
-        self.module.prefill(ids.to(self.device), cache)  # the cache only: no logits of the context
+        cache, ids = KVCache(), ids.to(self.device)
+        step = self.prefill_chunk or ids.shape[1]
+        for lo in range(0, ids.shape[1], step):
+            self.module.prefill(ids[:, lo:lo + step], cache)  # the cache only: no logits of the context
         return cache
 
     @torch.no_grad()
