@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from phasekv.adapters.posthoc import PosthocAdapter
 
 from phasekv.adapters.hf import HFAdapter, forward_bytes
 from phasekv.adapters.phasekv import PhaseKVAdapter
+from phasekv.conditions.posthoc import PosthocAdapter
 from phasekv.model import build_model
 from tests.helpers import SMOL, SMOL_FILE, needs_real_model, tiny, tiny_causal_lm
 

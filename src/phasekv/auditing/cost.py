@@ -17,6 +17,10 @@ def set_size(eval_set) -> tuple[int, int]:
     """(prompts, prompt tokens) of one prompt set, without building its prompts where it can say (`size()`)."""
     if hasattr(eval_set, "size"):
         return eval_set.size()
+    if hasattr(eval_set, "n_prompts"):  # a long-context set: prompts of its context's length (query: up to it)
+        R = eval_set.spec.modulus
+        short = sum(R - 1 - s for s in range(R)) if eval_set.spec.protocol == "query" else 0
+        return eval_set.n_prompts, eval_set.n_prompts * eval_set.prompt_length - eval_set.n_clusters * short
     prompts = eval_set.prompts()
     return len(prompts), sum(len(p.ids) for p in prompts)
 

@@ -31,6 +31,7 @@ inside OUT (`phasekv.engines.journal.published`).
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 import time
@@ -43,12 +44,14 @@ from phasekv.adapters.base import Adapter
 from phasekv.conditions.grammar import Geometry, check_conditions, condition_adapter
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
+from phasekv.data.longcontext import LongContextSet, LongContextSpec
 from phasekv.engines.client import EndpointAdapter, check_reference
 from phasekv.engines.journal import prompt_key, prompt_set_key, published
+from phasekv.evaluate.longrun import LongSetView, depth_statistics, predict_long
 from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
-from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
+from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_phase_heatmap, plot_residue_curves
 from phasekv.outputs import write_json
 from phasekv.report.html import comparison_table, figure, page, pct, query_phase_table
 from phasekv.report.reproduce import METRIC_KEYS, check_finite
@@ -57,7 +60,8 @@ log = logging.getLogger(__name__)
 
 PLAN = AuditPlan()  # the default plan
 
-AUDIT_KEYS = (*METRIC_KEYS, "query_phase", "cross", "query_position_matching")  # the last three: query protocol
+AUDIT_KEYS = (*METRIC_KEYS, "query_phase", "cross", "query_position_matching",  # these three: the query protocol
+              "by_depth")  # a long-context set
 
 
 def compressed_verdict(m: dict[str, Any], chance: float, in_context_chance: float) -> dict[str, Any]:
@@ -67,14 +71,29 @@ def compressed_verdict(m: dict[str, Any], chance: float, in_context_chance: floa
 
 
 def _evaluate(adapter: Adapter, eval_set, out: Path, cfg: EvalConfig, progress: bool, gated: bool) -> dict[str, Any]:
-    """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate."""
-    records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{out.parent.name} {eval_set.protocol}")
-    metrics = write_run(adapter, eval_set, records, out, cfg.seed, judge=compressed_verdict if gated else task_verdict)
+    """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate.  A
+    long-context set is streamed and also judged per target depth (`by_depth`)."""
+    judge = compressed_verdict if gated else task_verdict
+    if isinstance(eval_set, LongContextSet):
+        view = LongSetView(eval_set)
+        records = predict_long(adapter, eval_set, progress=progress, desc=f"{out.parent.name} {view.protocol}")
+        metrics = write_run(adapter, view, records, out, cfg.seed, judge=judge)
+        metrics["by_depth"] = depth_statistics(records, view, seed=cfg.seed, judge=judge)
+    else:
+        records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{out.parent.name} "
+                                                                                  f"{eval_set.protocol}")
+        metrics = write_run(adapter, eval_set, records, out, cfg.seed, judge=judge)
     return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
 
 
+def long_sets(spec: LongContextSpec, tokenizer: Any, protocols: tuple[str, ...]) -> dict[str, LongContextSet]:
+    """The long-context prompt set of each protocol (prompts built on demand)."""
+    return {p: LongContextSet(dataclasses.replace(spec, protocol=p), tokenizer) for p in protocols}
+
+
 def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path, *, plan: AuditPlan = PLAN,
-              force: bool = False, progress: bool = True, reference: Adapter | None = None) -> dict[str, Any]:
+              force: bool = False, progress: bool = True, reference: Adapter | None = None,
+              long_context: LongContextSpec | None = None) -> dict[str, Any]:
     """Audit `adapter` (a transformers model, or an `EndpointAdapter`) under each of `plan`'s conditions, on the
     prompt sets `cfg` describes (`audit_config`: its format, records, demos, stride, local window, seed, batch size,
     chat template); publish OUT atomically (with an endpoint's journal).  `reference`: the served model's weights
@@ -84,13 +103,14 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     conditions = ("none", *[c for c in plan.conditions if c != "none"])  # the capability gate always runs first
     geometry, protocols = Geometry(plan.window, cfg.stride, cfg.local_window), plan.protocols
     check_conditions(conditions, geometry)
-    vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
+    vocab = None if long_context else FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
     started = time.perf_counter()
     with published(out, force, adapter if served else None) as tmp:
-        sets = audit_sets(vocab, cfg, protocols, plan.prompts_per_phase)
+        sets = long_sets(long_context, tokenizer, protocols) if long_context else audit_sets(
+            vocab, cfg, protocols, plan.prompts_per_phase)
         adapter.check_length(max(s.prompt_length for s in sets.values()))
         if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
-            adapter.journal.bind("prompt_set", prompt_set_key(p.ids for s in sets.values() for p in s.prompts()))
+            adapter.journal.bind("prompt_set", prompt_set_key(_ids(p) for s in sets.values() for p in s.prompts()))
         results: dict[str, Any] = {}
         for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
             cond_adapter = condition_adapter(adapter, condition, geometry)
@@ -117,12 +137,14 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
             comparison = {p: compare(adapter, reference, s, cfg.batch_size) for p, s in sets.items()}
             write_json(tmp / "comparison.json", comparison)
         summary = {
-            "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
+            "model": adapter.info.name, "conditions": results,
+            "format": vocab.to_dict() if vocab else {"format": {"name": f"long-context {long_context.family}"},
+                                                     "long_context": sets[protocols[0]].settings},
             "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
             "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
                          "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
                          "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
-                             vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids)},
+                             vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids) if vocab else None},
             "elapsed_s": round(time.perf_counter() - started, 1),
         }
         if reference is not None:
@@ -135,6 +157,10 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     return summary
 
 
+def _ids(prompt) -> list[int]:
+    return prompt.ids.tolist() if hasattr(prompt.ids, "tolist") else prompt.ids
+
+
 def write_partial(adapter: EndpointAdapter, sets: dict[str, Any]) -> Path:
     """An interrupted endpoint audit's summary so far, marked `"partial": true`, written atomically beside its
     journal (in OUT's resumable temporary directory): per protocol the prompts answered and their accuracy, overall
@@ -143,11 +169,13 @@ def write_partial(adapter: EndpointAdapter, sets: dict[str, Any]) -> Path:
     for name, eval_set in sets.items():
         per_phase: dict[int, list[int]] = {}
         for prompt in eval_set.prompts():
-            answer = adapter.answers.get(prompt_key(prompt.ids))
+            answer = adapter.answers.get(prompt_key(_ids(prompt)))
+            query = getattr(prompt, "query", prompt)  # a long-context prompt is its own query
             if answer is not None:
-                per_phase.setdefault(prompt.query.phase, []).append(int(answer.token == prompt.query.answer))
+                per_phase.setdefault(query.phase, []).append(int(answer.token == query.answer))
         answered = [c for hits in per_phase.values() for c in hits]
-        protocols[name] = {"prompts": len(eval_set.prompts()), "answered": len(answered),
+        total = getattr(eval_set, "n_prompts", None) or len(eval_set.prompts())
+        protocols[name] = {"prompts": total, "answered": len(answered),
                            "accuracy": sum(answered) / len(answered) if answered else None,
                            "per_phase": [{"phase": ph, "n": len(h), "accuracy": sum(h) / len(h)}
                                          for ph, h in sorted(per_phase.items())]}
@@ -216,6 +244,13 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                                    out / "figures" / f"phases_{protocol}.png",
                                    title=f"Accuracy by target position mod S, {protocol} padding")
         parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+        depths = {f"{n}, depth {d}": m for n, r in conditions.items()
+                  for d, m in r[protocol].get("by_depth", {}).items()}
+        if depths:  # a long-context set: the needle-in-a-haystack map with the phase axis
+            path = plot_phase_heatmap(depths, out / "figures" / f"depth_phase_{protocol}.png",
+                                      title=f"Accuracy [%] by target depth and phase, {protocol}")
+            parts.append(figure(path, "Top-1 accuracy by target depth (rows, per condition) and phase (columns); the "
+                                      "per-depth verdicts and Wilson intervals are in summary.json's by_depth."))
     if summary.get("comparison"):
         parts += ["<h2>Engine vs reference</h2><p class='note'>The same prompts through the served model and through "
                   "transformers on the same weights: agreement of the greedy next tokens (Wilson 95% intervals) and "

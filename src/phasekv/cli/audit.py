@@ -14,6 +14,7 @@ from typing import Any
 from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, check_source_flags, endpoint_options
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
+from phasekv.data.longcontext import PRESETS
 
 HF_CONDITIONS = DEFAULT_CONDITIONS
 PLAN = AuditPlan()
@@ -38,6 +39,15 @@ def add_parser(sub) -> None:
     prompts.add_argument("--protocol", nargs="+", choices=EVAL_PROTOCOLS, default=list(PROTOCOLS), metavar="NAME",
                          help="prompt protocols: prefix, insequence (default: both), query (the target fixed, the "
                               "prompt length varied: the query phase and its source x query phase cells)")
+    prompts.add_argument("--preset", choices=sorted(PRESETS), help="a named long-context design: paper-niah = the "
+                         "paper's needle test (131,072 tokens, 16,000 records, target at the middle, mod 8, 256 per "
+                         "group)")
+    prompts.add_argument("--context", type=int, metavar="TOKENS", help="a long-context set of prompts of TOKENS "
+                         "tokens, records spread over the whole depth (instead of --format)")
+    prompts.add_argument("--family", choices=("records", "needle"), default="needle", help="--context: records "
+                         "alone, or records in prose (default)")
+    prompts.add_argument("--depths", type=float, nargs="+", metavar="D", help="--context: target depths in [0, 1] "
+                         "(default 0.5), a verdict per depth and the depth x phase map")
     prompts.add_argument("--records", type=int, default=AUDIT_DEFAULTS["records"], help="records per prompt")
     prompts.add_argument("--demos", type=int, default=AUDIT_DEFAULTS["demos"], help="demonstrations per prompt")
     prompts.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
@@ -175,7 +185,7 @@ def run(args) -> dict[str, Any]:
         adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
-                            progress=not args.no_progress, reference=reference)
+                            progress=not args.no_progress, reference=reference, long_context=long_spec(args))
     finally:
         if args.endpoint is not None:
             adapter.close()
@@ -185,6 +195,27 @@ def run(args) -> dict[str, Any]:
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
               f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
     return gate(args, expected, summary)
+
+
+def long_spec(args):
+    """The long-context design --preset or --context describe (None for a --format prompt set)."""
+    import dataclasses
+
+    from phasekv.data.longcontext import LongContextSpec
+
+    if args.preset and args.context:
+        raise ValueError("--preset and --context: give one (the preset fixes the context)")
+    if args.preset:
+        return dataclasses.replace(PRESETS[args.preset], seed=args.seed)
+    if args.context is None:
+        if args.depths:
+            raise ValueError("--depths: applies to a long-context set: give --context TOKENS or --preset")
+        return None
+    R = args.stride  # every residue group holds a multiple of R prompts per depth and cluster offset
+    per_group = -(-args.prompts_per_phase // (R * R)) * R * R
+    return LongContextSpec(family=args.family, context=args.context, stride=args.stride,
+                           depths=tuple(args.depths or (0.5,)), per_group=per_group,
+                           local_window=args.local_window, seed=args.seed)
 
 
 def config_of(args):
@@ -202,6 +233,7 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
     cost printed; nothing written.  Without --tokens-per-s an endpoint's rate comes from one timed probe request."""
     from phasekv.adapters.hf import load_tokenizer
     from phasekv.auditing.cost import cost_lines, probe_rate, run_cost
+    from phasekv.auditing.pipeline import long_sets
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.engines.client import open_endpoint
     from phasekv.evaluate.sources import audit_sets
@@ -214,9 +246,9 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
     else:
         tokenizer = load_tokenizer(args.hf or args.tokenizer, args.gguf_file, flag="--hf" if args.hf else "--tokenizer")
     try:
-        cfg = config_of(args)
-        sets = audit_sets(FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg,
-                          tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
+        cfg, spec, protocols = config_of(args), long_spec(args), tuple(dict.fromkeys(args.protocol))
+        sets = long_sets(spec, tokenizer, protocols) if spec else audit_sets(
+            FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg, protocols, args.prompts_per_phase)
         rate, source = args.tokens_per_s, "--tokens-per-s"
         if adapter is not None:
             adapter.check_length(max(s.prompt_length for s in sets.values()))

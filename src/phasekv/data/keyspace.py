@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from phasekv.data.formats import haystack_sentences
-from phasekv.data.vocab import _BASE
+from phasekv.data.vocab import BASE_WORDS
 
 FAMILIES = ("records", "needle")
 _HEADERS = {"records": "Here is a long list of records, each a key of a few words and a name.\n",
@@ -67,9 +67,9 @@ def _bos(tokenizer: Any) -> int:
 @functools.cache
 def _candidate_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(key words, value words): lowercase words of the built-in prose and word lists, and person names."""
-    names = tuple(dict.fromkeys(_BASE["values"]))
+    names = tuple(dict.fromkeys(BASE_WORDS["values"]))
     words = [w.strip(".,;:!?\"'()").lower() for line in haystack_sentences() for w in line.split()]
-    words += _BASE["keys"] + _BASE["background"]
+    words += BASE_WORDS["keys"] + BASE_WORDS["background"]
     keys = tuple(dict.fromkeys(w for w in words if w.isalpha() and w.isascii() and len(w) > 1))
     return keys, names
 
