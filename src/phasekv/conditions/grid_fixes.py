@@ -1,7 +1,7 @@
 """Training-free phase fixes for post-hoc chunk compression: the window grid moved per KV head or per request, at
 the same cache budget (docs/notes/fixes.md).
 
-`adapters.posthoc` puts every window of every KV head on one grid, j * S, so a record at a bad offset of its
+`conditions.posthoc` puts every window of every KV head on one grid, j * S, so a record at a bad offset of its
 window is lost in every head, layer and request alike.  The two fixes move the grid's origin o (0 <= o < S):
 
     stagger:POLICY   KV head h of H_kv uses o_h = floor(h * S / H_kv): each head loses other offsets
@@ -12,7 +12,7 @@ POLICY is `select:r[+keep-first:n]` with W = S (windows tile the line, so a move
 entries to within one per head).  With origin o the windows are the cells [o + kS, o + (k + 1)S) that end inside the
 old region (positions before the last `local_window` of the context; the first cell is the partial [0, o) when o >
 0), each keeping its position o + kS + r when that is >= 0; positions past the last complete cell, the sink and the
-local window stay raw, exactly as in `adapters.posthoc` (which is o = 0; tested equal).
+local window stay raw, exactly as in `conditions.posthoc` (which is o = 0; tested equal).
 
 A select policy's compressed cache is full attention with the dropped positions masked out, so the fix runs the
 prefill with full attention (as post-hoc compression does) and the queries under a per-head key mask

@@ -67,7 +67,7 @@ class Design:
 
 def audit_design(protocol: str, prompts_per_phase: int = AUDIT_PROMPTS_PER_PHASE) -> Design:
     """`phasekv audit`'s design with 1-token keys and values: the fewest clusters, a multiple of g = gcd(record pitch,
-    8), giving `prompts_per_phase` per phase (8 / g each).  The same count as `report.audit._clusters`, which a
+    8), giving `prompts_per_phase` per phase (8 / g each).  The same count as `evaluate.sources.audit_clusters`, which a
     lower layer cannot import (tests/test_power.py checks that they agree)."""
     g = math.gcd(2 + (protocol == "insequence"), 8)
     clusters = math.ceil(math.ceil(prompts_per_phase / (8 // g)) / g) * g

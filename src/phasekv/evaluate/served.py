@@ -9,7 +9,7 @@ per source phase (the target record's position mod S) and per query phase (the l
 varies under the query protocol), each with a Wilson 95% interval, with the mean signed and absolute
 log-probability differences: an engine whose disagreements concentrate on some phases is a finding about the
 engine, not about the model.  `phasekv eval --endpoint` and `phasekv audit --endpoint` take `--reference-hf DIR`
-for it (`evaluate_endpoint` here, `report.audit.run_audit`).
+for it (`evaluate_endpoint` here, `auditing.pipeline.run_audit`).
 
 The reference runs through `predict` (contexts prefilled once, each query continued from the cache); `_Recorder`
 keeps, per prompt, the reference's next-token log-probabilities (`reference_logprobs`), so an engine grid compares
