@@ -88,7 +88,7 @@ class CSA2Options(CompressorOptions):
         """Tokens per candidate block: candidate_block_size entries of the candidate source."""
         return self.candidate_block_size * self.ratios(config)[self.candidate_source_layer_id]
 
-    def check_model(self, config: ModelConfig) -> None:  # long: one rule per line, each naming its field
+    def check_model(self, config: ModelConfig) -> None:
         """The schedule's rules against the model (`ModelConfig` calls this); each error names its field."""
         s, n = self.section, config.num_hidden_layers
         ratios = self.ratios(config)
@@ -120,7 +120,7 @@ class CSA2Options(CompressorOptions):
             raise ValueError(f"{s}.index_source_layer_ids: kv source {min(set(kv) - set(index))} must also be an "
                              "index source (a reused top-k must index the same compressed cache)")
         c = self.candidate_source_layer_id
-        if c >= 0:
+        if c >= 0 and index:  # without an indexer there is nothing to restrict
             if c not in index:
                 raise ValueError(f"{s}.candidate_source_layer_id: layer {c} is not an index source ({index})")
             for i in (i for i in index if i > c and self.block_tokens(config) % ratios[i]):
@@ -194,7 +194,7 @@ class DeepSeekCSA2(OffsetGatedCompressor):
         index = options.index_sources(config)
         self.index_source = options.source_of(index, layer) if index else None
         self.index_sources = index
-        self.candidate = options.candidate_source_layer_id
+        self.candidate = options.candidate_source_layer_id if index else -1
         self.block_tokens = options.block_tokens(config) if self.candidate >= 0 else 0
         self.parity_bug = False  # test-only: see the module docstring
         hidden, F, std = config.hidden_size, self.num_kv_heads * self.head_dim, config.initializer_range
