@@ -233,3 +233,32 @@ def test_parity_with_transformers_deepseek_v41():
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV41ForCausalLM (deepseek_v41 is on "
                     "its main branch only): parity is tested once a release ships it")
     pytest.fail("transformers now ships DeepseekV41ForCausalLM: write the weight mapping and compare logits")
+
+
+# layer 3 (ratio 2) re-scores layer 1's cache after index source 1: the injected bug borrows layer 1's index keys
+DECODE = dict(compressor="deepseek_csa2", num_hidden_layers=5, compress_ratios=[0, 2, 2, 2, 1],
+              layer_types=["sliding"] + ["deepseek_csa2"] * 4, kv_source_layer_ids=[1, 4], index_topk=2,
+              index_heads=16, index_source_layer_ids=[1, 3, 4])
+
+
+def test_decode_step_audit_flags_the_injected_parity_bug_and_passes_the_correct_model():
+    """The reference-code deviation (incomplete-group decode steps scored with another layer's indexer keys) makes
+    the cached greedy decode disagree with the full forward on phase-0 steps only; the correct model agrees on all."""
+    import copy
+
+    from phasekv.evaluate.decode_local import decode_agreement
+
+    model = _model(DECODE)
+    buggy = copy.deepcopy(model)
+    buggy.model.layers[3].self_attn.compressor.parity_bug = True
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in range(9, 15)]
+    ok = decode_agreement(model, model, prompts, steps=8, stride=2)
+    bad = decode_agreement(buggy, model, prompts, steps=8, stride=2)
+    assert ok["overall"]["agreement"] == 1.0
+    by_phase = {r["phase"]: r["agreement"] for r in bad["per_phase"]}
+    assert by_phase[0] < by_phase[1]  # no group completes at even positions: the borrowed keys change answers
+    first = {r["phase"]: r["prompts"] for r in bad["first_disagreement_per_phase"]}
+    assert first.get(0, 0) >= 2 and first.get(1, 0) == 0  # every first disagreement is on an even step
+    with torch.no_grad():  # the full forward (prefill) never takes the buggy path
+        ids = prompts[0][None]
+        torch.testing.assert_close(buggy(ids), model(ids), rtol=0, atol=0)

@@ -92,7 +92,8 @@ def parity_findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         residues = " ".join(f"{100 * r['accuracy']:.0f}" for r in p["per_residue"] if r.get("n"))
         even, odd = (100 * r["accuracy"] for r in p["per_phase"][:2])
         measured = (f"even phase {even:.1f}%, odd {odd:.1f}%: even {side} odd by {abs(split['contrast_pp']):.1f} pp, "
-                    f"{split['crossing']} of {split['n_residues']} residues cross; residues mod 24: {residues}{_knockouts(m)}")
+                    f"{split['crossing']} of {split['n_residues']} residues cross; residues mod 24: "
+                    f"{residues}{_knockouts(m)}")
         interval = None if split["interval"] is None else sorted(split["side"] * v for v in split["interval"])
         out.append(_finding(f"{name}: ratio-2 pooling gives a period-2 pattern (even residue groups on one side of "
                             "odd ones)", PAPER, f"|even - odd| phase contrast's 95% interval above "
