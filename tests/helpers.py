@@ -52,6 +52,11 @@ COMPRESSOR_MATRIX = {
     "deepseek_csa-indexer": dict(compressor="deepseek_csa", csa_block=4, index_topk=2),
     "deepseek_hca": dict(compressor="deepseek_hca", hca_block=8),
     "toy_mean": dict(compressor="toy_mean", span=3, scale=0.5),
+    "deepseek_csa2": dict(compressor="deepseek_csa2"),
+    "deepseek_csa2-v41-schedule": dict(compressor="deepseek_csa2", num_hidden_layers=4, compress_ratios=[0, 2, 2, 1],
+                                       layer_types=["sliding", "deepseek_csa2", "deepseek_csa2", "deepseek_csa2"],
+                                       kv_source_layer_ids=[1, 3], index_topk=2, index_heads=16,
+                                       candidate_source_layer_id=1, candidate_block_size=2, candidate_topk_blocks=2),
     "deepseek-v4-pattern": dict(compressor="deepseek_csa", num_hidden_layers=4, hca_block=8,
                                 layer_types=["sliding", "sliding", "deepseek_csa", "deepseek_hca"]),
 }

@@ -25,7 +25,8 @@ CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-unifor
              "slices-contiguous-4kv", "slices-interleaved-4kv",  # issue 40: head-partitioned attention, trained
              "minimax-m3",  # issue 39: MiniMax-M3 block-sparse attention (transformers family)
              "w9s8-4kv-gaps",  # issue 40: W9/S8 trained with fillers between records (a fix under both paddings)
-             "w8s8-4kv-gaps"}  # issue 40: its control, W8/S8 trained the same way
+             "w8s8-4kv-gaps",  # issue 40: its control, W8/S8 trained the same way
+             "dsv41-csa2"}  # issue 53: DeepSeek-V4.1's CSA2 schedule in phasekv's own model
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])

@@ -68,7 +68,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.rotary = Rotary(D, config.rope_dims, config.rope_part, config.rope_theta)
         self.compressor = None if self.kind in LAYER_KINDS_BUILTIN else build_compressor(
-            config, self.kind, config.window_offset(layer_idx))
+            config, self.kind, config.window_offset(layer_idx), layer=layer_idx)
         self.tail = None
         self.local = config.local_window
         if self.compressor is not None and config.uncompressed_tail:
@@ -110,22 +110,25 @@ class Attention(nn.Module):
             out[:, a:b] = self._norm_rope(part, norm, pos[a:b]).transpose(1, 2)
         return out.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
-        """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden)."""
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0,
+                state: dict | None = None) -> torch.Tensor:
+        """x (B, T, hidden) normalized layer input for positions start..start+T-1 -> (B, T, hidden); `state`:
+        what earlier layers of this forward published (a CSA2 layer reads its source's entries there)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if cache is not None and cache.repeats > 1:
             if self._reads_shared(cache, x, start):
                 return self._shared_step(x, cache, start)
             cache = cache.expanded()  # a shared cache: extend a transient copy of this layer's part only
-        if self.kind != "full" and T > PREFILL_CHUNK and not torch.is_grad_enabled():
+        shares = self.compressor is not None and self.compressor.kv_source is not None
+        if self.kind != "full" and T > PREFILL_CHUNK and not torch.is_grad_enabled() and not shares:
             return self._chunked_prefill(x, cache, start)
         pos = torch.arange(start, start + T, device=x.device)
         q = self._heads(x, self.q_proj, "q_norm", pos)  # (B, H, T, D)
         if self.kind == "full":
             out = self._full(q, *self._keys_values(x, pos), cache, start)
         else:  # keys and values are made inside: the layer holds them only until they are concatenated
-            out = self._windowed(x, q, pos, cache, start)
+            out = self._windowed(x, q, pos, cache, start, {} if state is None else state)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
 
     def _reads_shared(self, cache: LayerCache, x: torch.Tensor, start: int) -> bool:
@@ -138,7 +141,7 @@ class Attention(nn.Module):
         if self.kind == "full":
             return cache.k is not None and self.slices is None
         c = self.compressor
-        return self.tail is None and (c is None or not (c.head_stagger or c.selects))
+        return self.tail is None and (c is None or not (c.head_stagger or c.selects or c.kv_source is not None))
 
     def _shared_step(self, x: torch.Tensor, cache: LayerCache, start: int) -> torch.Tensor:
         """Rows x (C * n, T, hidden) continuing the C contexts of a shared cache (n rows each, context-major):
@@ -236,17 +239,17 @@ class Attention(nn.Module):
         c = self.compressor
         return c.owners(ends - c.window + 1) if c.head_stagger and ends is not None else None
 
-    def fill_cache(self, x: torch.Tensor, cache: LayerCache, start: int) -> None:
+    def fill_cache(self, x: torch.Tensor, cache: LayerCache, start: int, state: dict | None = None) -> None:
         """Extend `cache` with x (B, T, hidden) at positions start.. exactly as `forward` would, computing only
         what the cache holds (keys, values, entries): no queries, attention, output projection or selection."""
         pos = torch.arange(start, start + x.shape[1], device=x.device)
         if self.kind == "full":
             cache.append_full(*self._keys_values(x, pos))
         else:
-            self._extend(x, pos, cache, start, select=False)
+            self._extend(x, pos, cache, start, {} if state is None else state, select=False)
             cache.compact()
 
-    def _extend(self, x, pos, cache, start, select=True):
+    def _extend(self, x, pos, cache, start, state, *, select=True):
         """Append x's tokens to a windowed cache: the raw window slides on, complete windows become entries.
         Returns the raw keys and values the queries read (B, KVH, L-1+T, D), their positions and the visible
         entries (with the compressor's selection when `select`)."""
@@ -257,27 +260,50 @@ class Attention(nn.Module):
         del k, v  # the concatenated copies hold them
         k_pos = torch.cat([cache.raw_pos, pos])  # (L-1+T,)
         vis = Visible(None, None, None)
-        if self.compressor is not None:
-            # (B, P+T, hidden); no copy of x when nothing is pending (the whole training forward)
-            h = torch.cat([cache.pending_h, x], dim=1) if cache.pending_h.shape[1] else x
-            h = h[:, cache.window_start(start):]
-            nk, nv, nend = self.compressed_entries(h, cache.pending_start)
-            cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
-            consumed = nk.shape[2] * self.compressor.grid_stride
-            cache.keep_pending(h, consumed)
+        c = self.compressor
+        if c is not None and c.kv_source is not None:
+            vis = self._shared_entries(x, cache, start, state, select)
+        elif c is not None:
+            self._compress_into(x, cache, start)
             vis = Visible(cache.entries_k, cache.values(), cache.entries_end,
                           entries_owner=self.entry_owners(cache.entries_end))
             if select and vis.entries_k is not None:
-                vis.selection = self.compressor.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
+                vis.selection = c.select(x, vis.entries_k.transpose(1, 2))  # entries (B, N, KVH, D)
         cache.slide_raw(k_all, v_all, k_pos, T)
         return k_all, v_all, k_pos, vis
 
-    def _windowed(self, x, q, pos, cache, start):
+    def _compress_into(self, x, cache, start):
+        """The entries of the windows x's tokens complete (with the cached partial window) into the cache."""
+        # (B, P+T, hidden); no copy of x when nothing is pending (the whole training forward)
+        h = torch.cat([cache.pending_h, x], dim=1) if cache.pending_h.shape[1] else x
+        h = h[:, cache.window_start(start):]
+        nk, nv, nend = self.compressed_entries(h, cache.pending_start)
+        cache.add_entries(nk, nv if not self.compressor.tied else None, nend)
+        cache.keep_pending(h, nk.shape[2] * self.compressor.grid_stride)
+
+    def _shared_entries(self, x, cache, start, state, select):
+        """A CSA2 layer (compression.csa2): its kv source compresses into its own cache and publishes the entries
+        in `state`; the layers reusing it read them there (their caches hold the raw window only); the selection
+        is the compressor's (an index source scores anew, the layers after it reuse its choice)."""
+        c = self.compressor
+        if c.owner:
+            self._compress_into(x, cache, start)
+            state[("kv", c.layer)] = (cache.entries_k, cache.values(), cache.entries_end)
+        if ("kv", c.kv_source) not in state:
+            raise ValueError(f"layer {c.layer}: reads layer {c.kv_source}'s compressed cache, which did not run in "
+                             "this forward (run the whole model)")
+        ek, ev, ends = state[("kv", c.kv_source)]
+        vis = Visible(ek, ev, ends)
+        if select and ek is not None:
+            vis.selection = c.choose(x, ek.transpose(1, 2), ends, start, state)  # entries (B, N, KVH, D)
+        return vis
+
+    def _windowed(self, x, q, pos, cache, start, state):
         B, _, T, D = q.shape
         keep = cache is not None
         if not keep:
             cache = self.new_cache(B, x.dtype, x.device)
-        k_all, v_all, k_pos, vis = self._extend(x, pos, cache, start)
+        k_all, v_all, k_pos, vis = self._extend(x, pos, cache, start, state)
         if keep:
             cache.compact()
         KVH = self.num_kv_heads

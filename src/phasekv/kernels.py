@@ -60,6 +60,8 @@ def _entry_mask(ends: torch.Tensor, selection: Selection | None, q_pos: torch.Te
     the compute device); `selection` holds these queries' rows; `owned` (H, n): query head h may read entry j."""
     ok = (ends[None, :] <= q_pos[:, None])[None]  # (1, Tq, n)
     n = ends.shape[0]
+    if selection is not None and selection.allowed is not None:
+        ok = ok & selection.allowed[..., :n].to(ok.device)  # (B, Tq, n): a two-level top-k's candidates
     if selection is not None and n > selection.k:
         scores = selection.scores[..., :n].masked_fill(~ok, float("-inf"))  # (B, Tq, n)
         keep = scores.topk(selection.k, dim=-1).indices
@@ -360,8 +362,10 @@ def windowed_attention_reference(q, q_pos, k_all, v_all, k_pos, *, local, vis, s
         raw = [j for j in range(k_all.shape[2]) if int(k_pos[j]) >= max(first_raw, 0) and int(k_pos[j]) <= t]
         n = 0 if vis.entries_k is None else int((vis.entries_end <= t).sum())
         chosen = list(range(n))
+        if vis.selection is not None and vis.selection.allowed is not None:
+            chosen = [j for j in chosen if bool(vis.selection.allowed[0, i, j])]
         if vis.selection is not None and n > vis.selection.k:
-            chosen = sorted(vis.selection.scores[0, i, :n].topk(vis.selection.k).indices.tolist())
+            chosen = sorted(sorted(chosen, key=lambda j: -float(vis.selection.scores[0, i, j]))[:vis.selection.k])
             assert B == 1, "reference indexer selection is written for batch 1"
         for kv in range(KVH):
             owner = vis.entries_owner  # head stagger: entries (B, 1, N, D), each read by its owner's heads only

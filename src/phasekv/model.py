@@ -40,8 +40,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cache, start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, start)
+    def forward(self, x: torch.Tensor, cache, start: int, state: dict | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, start, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -59,14 +59,15 @@ class Qwen3Model(nn.Module):
         start = cache.length if cache is not None else 0
         x = self.embed_tokens(input_ids)  # (B, T, hidden)
         n = len(self.layers)
+        state = {}  # what layers publish for later layers in this forward (CSA2's shared caches and top-k)
         for i, layer in enumerate(self.layers):
             lc = None
             if cache is not None:
                 lc = cache.layer(i, n, lambda a=layer.self_attn, d=x.dtype, dev=x.device: a.new_cache(B, d, dev))
             if fill_only and i == n - 1:
-                layer.self_attn.fill_cache(layer.input_layernorm(x), lc, start)
+                layer.self_attn.fill_cache(layer.input_layernorm(x), lc, start, state)
             else:
-                x = layer(x, lc, start)
+                x = layer(x, lc, start, state)
         if cache is not None:
             cache.length = start + T
         return None if fill_only else self.norm(x)

@@ -5,7 +5,7 @@ Adding a compressor: one file in this package (its options dataclass and its cla
 (tests/helpers.py COMPRESSOR_MATRIX).  See CONTRIBUTING.md.
 """
 
-from phasekv.compression import deepseek, gated, head_slices  # noqa: F401  (registration side effects)
+from phasekv.compression import csa2, deepseek, gated, head_slices  # noqa: F401  (registration side effects)
 from phasekv.compression.base import (
     Compressor,
     Selection,

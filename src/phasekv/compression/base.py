@@ -58,9 +58,13 @@ def get(name: str) -> type[Compressor]:
     return _REGISTRY[name]
 
 
-def build(config: ModelConfig, name: str, offset: int = 0) -> Compressor:
-    """The compressor `name` of a model, its first window starting at position `offset`."""
-    return get(name)(config.options(name), config, offset)
+def build(config: ModelConfig, name: str, offset: int = 0, layer: int | None = None) -> Compressor:
+    """The compressor `name` of a model, its first window starting at position `offset`; a compressor whose
+    role depends on its layer (`layer_aware`, e.g. CSA2's shared compressors) also gets the layer index."""
+    cls = get(name)
+    if getattr(cls, "layer_aware", False):
+        return cls(config.options(name), config, offset, layer=layer)
+    return cls(config.options(name), config, offset)
 
 
 def num_windows(length: int, window: int, stride: int) -> int:
@@ -81,10 +85,11 @@ class Selection:
 
     scores: torch.Tensor  # (B, Tq, N)
     k: int
+    allowed: torch.Tensor | None = None  # (B, Tq, N) bool: the only entries it may pick (None: any visible one)
 
     def rows(self, a: int, b: int) -> Selection:
         """The selection of queries a..b-1."""
-        return Selection(self.scores[:, a:b], self.k)
+        return Selection(self.scores[:, a:b], self.k, None if self.allowed is None else self.allowed[:, a:b])
 
 
 class Compressor(nn.Module):
@@ -97,6 +102,7 @@ class Compressor(nn.Module):
     name = "base"
     Options: type[CompressorOptions]
     tied: bool
+    kv_source: int | None = None  # a layer whose compressed cache this layer reads (CSA2); None: its own
 
     def __init__(self, options: CompressorOptions, config: ModelConfig, offset: int = 0):
         super().__init__()

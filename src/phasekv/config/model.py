@@ -173,6 +173,9 @@ class ModelConfig:
             if kind not in kinds:
                 raise ValueError(f"model.layer_types: unknown kind {kind!r}; known: {list(kinds)}")
         self._build_compressor_options()
+        for opts in self.compressors.values():  # rules of a per-layer schedule held in a compressor's options
+            if hasattr(opts, "check_model"):
+                opts.check_model(self)
         if self.stagger and self.uncompressed_tail:
             raise ValueError("model.stagger: cannot be combined with uncompressed_tail (tokens before a layer's "
                              "first window would never be compressed nor kept raw)")

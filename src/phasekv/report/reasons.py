@@ -26,6 +26,7 @@ from typing import Any
 
 from phasekv.evaluate.verdict import FLATNESS_ALPHA
 from phasekv.report.claims import COVERED_PCT, CYCLING_DELTAS_NEEDED, W8S8_COVERED
+from phasekv.report.parity import diagnosed
 
 CATEGORIES = ("scale", "recipe", "claim not testable here", "protocol", "not diagnosed")
 CEILING_PCT = 98.0  # an ordering of means between two models both above this cannot be tested
@@ -142,8 +143,8 @@ def _spans(f: dict, models: dict) -> Reason:
     return None
 
 
-RULES: tuple[Callable[[dict, dict], Reason], ...] = (_unable, _unused, _layout, _covered, _few_heads, _ordering,
-                                                     _payload_maps, _spans)
+RULES: tuple[Callable[[dict, dict], Reason], ...] = (diagnosed, _unable, _unused, _layout, _covered, _few_heads,
+                                                     _ordering, _payload_maps, _spans)
 
 
 def reason(f: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[str, str] | None:

@@ -45,6 +45,7 @@ from phasekv.probes.gates import gate_report, gate_trajectory
 from phasekv.probes.knockout import calibration_set, run_knockout
 from phasekv.report.findings import findings, fixes
 from phasekv.report.html import model_figures, write_report
+from phasekv.report.parity import parity_findings
 from phasekv.report.reasons import explained
 from phasekv.theory import run_theory
 from phasekv.training.loop import train
@@ -56,6 +57,7 @@ PROBE_CLUSTERS = 8
 GRADED_CYCLING_CLUSTERS = 24  # gate cycling of a transformers architecture's compressors: 6,912 prompts
 BUNDLED = ["full-1kv", "w8s8", "w8s4", "w8s6", "w4s4", "w12s12", "w8s8-uniform", "w8s8-stagger", "full-4kv",
            "full-8kv", "w8s8-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-uniform-4kv", "w8s8-shared-4kv", "w9s8-4kv",
+           "dsv41-csa2",  # phasekv's own DeepSeek-V4.1 CSA2 schedule (ratio-2 and ratio-1 pooling)
            "dsv4-hca", "dsv4-csa", "qwen3-full", "dsv32-dsa", "minimax-m3"]  # the last five: transformers' own
 # DeepSeek-V4 (HCA layers, CSA layers with the lightning indexer), Qwen3, DeepSeek-V3.2 (token-level top-k DSA) and
 # MiniMax-M3 (top-k blocks of 4 keys)
@@ -364,7 +366,7 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         summary = {
             "models": models,
             "theory": theory,
-            "findings": explained(findings(models), models),
+            "findings": explained(findings(models) + parity_findings(models), models),
             "fixes": fixes(models),
             "settings": {"quick": quick, "seed": seed, "checkpoints": str(checkpoints), "retrained": retrain_models,
                          "train_seconds": train_times},
