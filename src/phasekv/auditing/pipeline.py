@@ -46,11 +46,11 @@ from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.engines.client import EndpointAdapter, check_reference
 from phasekv.engines.journal import prompt_set_key, published
 from phasekv.engines.registry import running_settings
-from phasekv.evaluate.runner import predict, write_run
+from phasekv.evaluate.runner import predict, write_run, write_run_files
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_residue_curves
-from phasekv.outputs import write_json
+from phasekv.outputs import SUMMARY_SCHEMA_VERSION, write_json
 from phasekv.report.html import comparison_table, figure, page, pct, query_phase_table
 from phasekv.report.reproduce import METRIC_KEYS, check_finite
 
@@ -67,19 +67,31 @@ def compressed_verdict(m: dict[str, Any], chance: float, in_context_chance: floa
     return task_verdict(m, chance, in_context_chance, capable=True)
 
 
-def _evaluate(adapter: Adapter, eval_set, out: Path, cfg: EvalConfig, progress: bool, gated: bool) -> dict[str, Any]:
-    """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate."""
-    records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{out.parent.name} {eval_set.protocol}")
-    metrics = write_run(adapter, eval_set, records, out, cfg.seed, judge=compressed_verdict if gated else task_verdict)
-    return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
+def _evaluate(adapter: Adapter, eval_set, cfg: EvalConfig, condition: str, progress: bool) -> dict[str, Any]:
+    """Full metrics and prediction records of one condition and protocol (the uncompressed model passed the
+    capability gate for every condition but `none`)."""
+    records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{_safe(condition)} {eval_set.protocol}")
+    metrics = write_run(adapter, eval_set, records, None, cfg.seed,
+                        judge=task_verdict if condition == "none" else compressed_verdict)
+    return {"metrics": metrics, "records": records}
 
 
-def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path, *, plan: AuditPlan = PLAN,
+def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path | None, *, plan: AuditPlan = PLAN,
               force: bool = False, progress: bool = True, reference: Adapter | None = None) -> dict[str, Any]:
+    """`measure_audit`, published as OUT atomically (with an endpoint's journal: `write_audit`); the summary."""
+    with published(out, force, adapter if isinstance(adapter, EndpointAdapter) else None) as tmp:
+        summary, runs = measure_audit(adapter, tokenizer, cfg, plan=plan, progress=progress, reference=reference)
+        write_audit(summary, runs, tmp)
+    return summary
+
+
+def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: AuditPlan = PLAN, progress: bool = True,
+                  reference: Adapter | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Audit `adapter` (a transformers model, or an `EndpointAdapter`) under each of `plan`'s conditions, on the
     prompt sets `cfg` describes (`audit_config`: its format, records, demos, stride, local window, seed, batch size,
-    chat template); publish OUT atomically (with an endpoint's journal).  `reference`: the served model's weights
-    in process (needs an endpoint `adapter`), compared prompt by prompt."""
+    chat template), writing nothing.  `reference`: the served model's weights in process (needs an endpoint
+    `adapter`), compared prompt by prompt.  (summary, runs): runs[condition][protocol] holds that run's full
+    metrics and prediction records (what `write_audit` writes)."""
     served = isinstance(adapter, EndpointAdapter)
     check_reference(served, reference)
     conditions = ("none", *[c for c in plan.conditions if c != "none"])  # the capability gate always runs first
@@ -87,48 +99,60 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     check_conditions(conditions, geometry)
     vocab = FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
     started = time.perf_counter()
-    with published(out, force, adapter if served else None) as tmp:
-        sets = audit_sets(vocab, cfg, protocols, plan.prompts_per_phase)
-        adapter.check_length(max(s.prompt_length for s in sets.values()))
-        if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
-            adapter.journal.bind("prompt_set", prompt_set_key(p.ids for s in sets.values() for p in s.prompts()))
-        results: dict[str, Any] = {}
-        for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
-            cond_adapter = condition_adapter(adapter, condition, geometry)
-            results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p, cfg,
-                                               progress, condition != "none")
-                                  for p, s in sets.items()}
-            results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
-            if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
-                results[condition]["kept"] = cond_adapter.kept()
-            if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
-                results[condition].update(cond_adapter.extras(sets, progress))
-            if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
-                log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
-                            cfg.format)
-                break
-        if reference is not None:
-            from phasekv.evaluate.served import compare
+    sets = audit_sets(vocab, cfg, protocols, plan.prompts_per_phase)
+    adapter.check_length(max(s.prompt_length for s in sets.values()))
+    if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
+        adapter.journal.bind("prompt_set", prompt_set_key(p.ids for s in sets.values() for p in s.prompts()))
+    results: dict[str, Any] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
+        cond_adapter = condition_adapter(adapter, condition, geometry)
+        runs[condition] = {p: _evaluate(cond_adapter, s, cfg, condition, progress) for p, s in sets.items()}
+        results[condition] = {p: {k: run["metrics"][k] for k in AUDIT_KEYS if k in run["metrics"]}
+                              for p, run in runs[condition].items()}
+        results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
+        if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
+            results[condition]["kept"] = cond_adapter.kept()
+        if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
+            results[condition].update(cond_adapter.extras(sets, progress))
+        if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
+            log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
+                        cfg.format)
+            break
+    summary = {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
+        "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
+        "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
+                     "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
+                     "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
+                         vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids)},
+    }
+    if reference is not None:
+        from phasekv.evaluate.served import compare
 
-            comparison = {p: compare(adapter, reference, s, cfg.batch_size) for p, s in sets.items()}
-            write_json(tmp / "comparison.json", comparison)
-        summary = {
-            "model": adapter.info.name, "format": vocab.to_dict(), "conditions": results,
-            "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
-            "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
-                         "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
-                         "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
-                             vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids)},
-            "elapsed_s": round(time.perf_counter() - started, 1),
-        }
-        if reference is not None:
-            summary["comparison"] = comparison
-        if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
-            summary["engine_report"] = running_settings(adapter.api.name, adapter.conn)
-        check_finite(summary)
-        write_json(tmp / "summary.json", summary)
-        write_audit_report(summary, tmp)
-    return summary
+        summary["comparison"] = {p: compare(adapter, reference, s, cfg.batch_size) for p, s in sets.items()}
+    if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
+        summary["engine_report"] = running_settings(adapter.api.name, adapter.conn)
+    summary["elapsed_s"] = round(time.perf_counter() - started, 1)
+    check_finite(summary)
+    return summary, runs
+
+
+def write_audit(summary: dict[str, Any], runs: dict[str, dict[str, Any]], out: str | Path | None) -> None:
+    """An audit's files in the directory `out` (nothing when None): each condition's and protocol's run
+    (conditions/COND/PROTOCOL/: metrics.json, predictions.jsonl, figures), comparison.json with a reference,
+    summary.json and report.html."""
+    if out is None:
+        return
+    out = Path(out)
+    for condition, protocols in runs.items():
+        for protocol, run in protocols.items():
+            write_run_files(run["metrics"], run["records"], out / "conditions" / _safe(condition) / protocol)
+    if "comparison" in summary:
+        write_json(out / "comparison.json", summary["comparison"])
+    write_json(out / "summary.json", summary)
+    write_audit_report(summary, out)
 
 
 _TITLES = {"query": "query protocol, by source phase (target position mod S)"}
