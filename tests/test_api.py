@@ -45,7 +45,8 @@ def test_audit_of_a_model_object_equals_the_command_on_its_saved_weights_and_wri
     on_disk = json.loads((tmp_path / "cli" / "summary.json").read_text())
     _same_numbers(result.to_dict(), on_disk)
     assert result.per_phase("none", "prefix") == on_disk["conditions"]["none"]["prefix"]["per_phase"]
-    assert len(result.per_phase()) == 8 and all(r["ci_low"] <= r["accuracy"] <= r["ci_high"] for r in result.per_phase())
+    rows = result.per_phase()
+    assert len(rows) == 8 and all(r["ci_low"] <= r["accuracy"] <= r["ci_high"] for r in rows)
     assert result.verdict_parts()["can_do_task"] is False and not result.can_do_task
     # write(dir): the command's files, the same summary
     result.write(tmp_path / "written")
@@ -179,3 +180,94 @@ def test_train_reports_loss_and_phase_metrics_to_tensorboard(tmp_path):
         assert [e.step for e in events.Scalars(name)] == [r["step"] for r in rows if name in r]
         assert [e.value for e in events.Scalars(name)] == pytest.approx([r[name] for r in rows if name in r])
     assert [e.step for e in events.Scalars("phase/gap_pp")] == [2]
+
+
+# ----------------------------------------------------------------------------- schemas and the Hub's eval results
+
+SCHEMAS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "schemas"
+TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None), "integer": int,
+         "number": (int, float)}
+
+
+def schema_errors(doc, schema: dict, where: str = "$") -> list[str]:
+    """The subset of JSON Schema the docs/schemas files use: type, const, enum, required, properties,
+    additionalProperties (a schema), items, minItems, maxItems, minimum, maximum."""
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        ok = any(isinstance(doc, TYPES[k]) and not (k in ("integer", "number") and isinstance(doc, bool))
+                 for k in kinds)
+        if not ok:
+            return [f"{where}: expected {kinds}, got {type(doc).__name__}"]
+    errors = []
+    if "const" in schema and doc != schema["const"]:
+        errors.append(f"{where}: expected {schema['const']!r}")
+    if "enum" in schema and doc not in schema["enum"]:
+        errors.append(f"{where}: {doc!r} not in {schema['enum']}")
+    number = isinstance(doc, (int, float)) and not isinstance(doc, bool)
+    if number and not schema.get("minimum", -float("inf")) <= doc <= schema.get("maximum", float("inf")):
+        errors.append(f"{where}: {doc} out of range")
+    if isinstance(doc, dict):
+        errors += [f"{where}: missing {k!r}" for k in schema.get("required", ()) if k not in doc]
+        for key, value in doc.items():
+            sub = schema.get("properties", {}).get(key, schema.get("additionalProperties"))
+            if isinstance(sub, dict):
+                errors += schema_errors(value, sub, f"{where}.{key}")
+    if isinstance(doc, list):
+        if not schema.get("minItems", 0) <= len(doc) <= schema.get("maxItems", 1 << 30):
+            errors.append(f"{where}: {len(doc)} items")
+        errors += [e for i, item in enumerate(doc)
+                   for e in schema_errors(item, schema.get("items", {}), f"{where}[{i}]")]
+    return errors
+
+
+def validate_eval_result_entries(entries) -> None:
+    """The Hub's documented `.eval_results/*.yaml` fields: a list of entries, each with dataset.id and value
+    required, only documented keys, an ISO-8601 date, source.url whenever a source is given."""
+    import datetime
+
+    from phasekv.api.publish import ENTRY_FIELDS
+
+    assert isinstance(entries, list) and entries
+    for entry in entries:
+        assert set(entry) <= set(ENTRY_FIELDS) and {"dataset", "value"} <= set(entry)
+        for key, allowed in ENTRY_FIELDS.items():
+            if allowed is not None and key in entry:
+                assert isinstance(entry[key], dict) and set(entry[key]) <= allowed
+        assert isinstance(entry["dataset"]["id"], str) and "/" in entry["dataset"]["id"]
+        assert isinstance(entry["value"], (int, float)) and not isinstance(entry["value"], bool)
+        datetime.datetime.fromisoformat(entry["date"])
+        assert "source" not in entry or isinstance(entry["source"]["url"], str)
+
+
+def test_the_command_writes_valid_eval_results_and_outputs_that_match_their_schemas(tmp_path, tokenizer):
+    import yaml
+
+    from phasekv.cli import main
+
+    model = tiny_causal_lm("llama", len(tokenizer), 1024, "sdpa")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert main(["audit", "--hf", str(tmp_path / "model"), "--records", "24", "--demos", "2", "--prompts-per-phase",
+                 "1", "--protocol", "prefix", "--out", str(tmp_path / "audit"), "--eval-results",
+                 str(tmp_path / "hub"), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    metrics = json.loads((tmp_path / "audit" / "conditions" / "none" / "prefix" / "metrics.json").read_text())
+    summary_schema = json.loads((SCHEMAS / "summary.schema.json").read_text())
+    metrics_schema = json.loads((SCHEMAS / "metrics.schema.json").read_text())
+    assert schema_errors(summary, summary_schema) == [] and schema_errors(metrics, metrics_schema) == []
+    broken = {**metrics, "schema_version": 2, "per_phase": [{"phase": 0, "accuracy": 1.5}]}
+    assert len(schema_errors(broken, metrics_schema)) >= 3  # the validator can fail
+    files = sorted((tmp_path / "hub" / ".eval_results").glob("*.yaml"))
+    assert [f.name for f in files] == ["phasekv_none_prefix.yaml"]
+    entries = yaml.safe_load(files[0].read_text())
+    validate_eval_result_entries(entries)
+    m = summary["conditions"]["none"]["prefix"]
+    worst = min(r["accuracy"] for r in m["per_phase"])
+    assert [e["value"] for e in entries] == pytest.approx([100 * m["mean_accuracy"], 100 * worst, m["max_gap_pp"]],
+                                                          abs=0.005)
+    assert all(m["verdict"] in e["notes"] for e in entries)
+    card = (tmp_path / "hub" / "phasekv_model_card.md").read_text()
+    assert "| none | prefix |" in card and "figures/phases_prefix.png" in card
+    with pytest.raises(AssertionError):
+        validate_eval_result_entries([{"dataset": {"id": "x/y"}, "value": 1.0, "date": "2026-12-06", "metric": 1}])

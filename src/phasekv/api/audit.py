@@ -13,25 +13,12 @@ any of its modules (`import phasekv.evaluate.runner`) sets the package attribute
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, PROTOCOLS, AuditPlan, from_section
 
 PROMPTS_PER_PHASE = AuditPlan().prompts_per_phase
-
-
-@contextlib.contextmanager
-def restored(model: Any) -> Iterator[None]:
-    """A model object's training mode as it was (adapters put their model in eval mode), whatever happens; anything
-    else (a path, a URL) as it is."""
-    training = getattr(model, "training", None)
-    try:
-        yield
-    finally:
-        if isinstance(training, bool):
-            model.train(training)
 
 
 def audit(model: Any, tokenizer: Any = None, *, conditions: tuple[str, ...] | list[str] = DEFAULT_CONDITIONS,  # long:
@@ -45,7 +32,7 @@ def audit(model: Any, tokenizer: Any = None, *, conditions: tuple[str, ...] | li
     window, stride, local_window, records, demos, chat, seed, batch_size (the command's flags), name (the model's
     name in the result), device, dtype, gguf_file (a path's loading), api (an endpoint's server), force (replace
     an existing `out`), progress (bars; default off).  `out`: also write OUT as the command does."""
-    from phasekv.api.models import open_model
+    from phasekv.api.models import open_model, restored
     from phasekv.api.result import AuditResult
     from phasekv.auditing.pipeline import measure_audit, write_audit
     from phasekv.config import audit_config
@@ -119,7 +106,7 @@ def evaluate(model: Any, tokenizer: Any = None, *, protocol: str = "prefix", pro
     vocabulary).  `options`: the `eval` section's fields (stride, residue_modulus, records, demos, clusters,
     key_tokens, value_tokens, local_window, batch_size, seed, chat, ...), name, device, dtype, gguf_file, api,
     force, progress.  `out`: also write metrics.json, predictions.jsonl and the figure there."""
-    from phasekv.api.models import open_model
+    from phasekv.api.models import open_model, restored
     from phasekv.api.phase_check import eval_set_for
     from phasekv.api.result import EvalResult
     from phasekv.config import EvalConfig

@@ -4,12 +4,26 @@ endpoint URL (a served model, as `--endpoint`), with its tokenizer (an object or
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 ENDPOINT_SCHEMES = ("http://", "https://")
+
+
+@contextlib.contextmanager
+def restored(model: Any) -> Iterator[None]:
+    """A model object's training mode as it was (adapters put their model in eval mode), whatever happens; anything
+    else (a path, a URL) as it is."""
+    training = getattr(model, "training", None)
+    try:
+        yield
+    finally:
+        if isinstance(training, bool):
+            model.train(training)
 
 
 def model_name(model: nn.Module) -> str:

@@ -83,7 +83,7 @@ class PhaseCheck:
         import dataclasses
 
         from phasekv.adapters.phasekv import adapter_for
-        from phasekv.api.audit import restored
+        from phasekv.api.models import restored
         from phasekv.evaluate.runner import predict, write_run
         from phasekv.evaluate.sources import DEFAULT_STRIDE, audit_clusters
 

@@ -108,6 +108,12 @@ class AuditResult:
             write_audit(self.summary, self.runs, tmp)
         return Path(out)
 
+    def write_eval_results(self, out: str | Path, force: bool = False, **options: Any) -> Path:
+        """The Hub's .eval_results/*.yaml entries and a model-card section (`phasekv.api.publish`)."""
+        from phasekv.api.publish import write_eval_results
+
+        return write_eval_results(self.summary, out, force=force, **options)
+
     def __repr__(self) -> str:
         rows = {f"{c} {p}": self.metrics(c, p) for c in self.conditions for p in self.protocols}
         return (f"AuditResult({self.summary['model']}: accuracy % by phase (position mod "

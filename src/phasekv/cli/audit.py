@@ -71,6 +71,8 @@ def add_parser(sub) -> None:
     output = p.add_argument_group("output")
     output.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition "
                                                      "runs)")
+    output.add_argument("--eval-results", metavar="DIR", help="also write the Hub's .eval_results/*.yaml entries and a "
+                                                             "model-card section into DIR")
     output.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     output.add_argument("--no-progress", action="store_true")
     output.add_argument("--dry-run", action="store_true", help="print the run's requests, prompt tokens and time "
@@ -124,6 +126,8 @@ def run(args) -> dict[str, Any]:
     if args.launch:
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
+    if args.eval_results:
+        check_output_dir(Path(args.eval_results), args.force)
     device, dtype = args.device or "auto", args.dtype or "float32"
     if args.threads:
         import torch
@@ -150,6 +154,10 @@ def run(args) -> dict[str, Any]:
             print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
             if protocol == "query":
                 print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
+    if args.eval_results:
+        from phasekv.api.publish import write_eval_results
+
+        write_eval_results(summary, args.eval_results, force=args.force)
     for protocol, comparison in summary.get("comparison", {}).items():
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
