@@ -19,7 +19,7 @@ HF_CONDITIONS = DEFAULT_CONDITIONS
 PLAN = AuditPlan()
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> None:  # long: every flag of the command, in its --help groups
     from phasekv.conditions.grammar import compress_help
 
     p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
@@ -71,8 +71,7 @@ def add_parser(sub) -> None:
     output = p.add_argument_group("output")
     output.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition "
                                                      "runs)")
-    output.add_argument("--eval-results", metavar="DIR", help="also write the Hub's .eval_results/*.yaml entries and a "
-                                                             "model-card section into DIR")
+    output.add_argument("--eval-results", metavar="DIR", help="also the Hub's .eval_results/*.yaml and a model card")
     output.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     output.add_argument("--no-progress", action="store_true")
     output.add_argument("--dry-run", action="store_true", help="print the run's requests, prompt tokens and time "
