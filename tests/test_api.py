@@ -11,7 +11,7 @@ import phasekv
 from phasekv.api.audit import evaluate
 from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model, tiny_causal_lm
 
-SMALL = dict(records=24, demos=2, prompts_per_phase=2)  # a few hundred prompts: seconds on one thread
+SMALL = dict(records=24, demos=2, prompts_per_phase=1)  # a few hundred prompts: seconds on one thread
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_audit_of_a_model_object_equals_the_command_on_its_saved_weights_and_wri
     result = phasekv.audit(model, tokenizer, **SMALL)
     assert _files(tmp_path) == before and model.training  # nothing written; the model's mode restored
     assert main(["audit", "--hf", str(tmp_path / "model"), "--records", "24", "--demos", "2", "--prompts-per-phase",
-                 "2", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+                 "1", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
     on_disk = json.loads((tmp_path / "cli" / "summary.json").read_text())
     _same_numbers(result.to_dict(), on_disk)
     assert result.per_phase("none", "prefix") == on_disk["conditions"]["none"]["prefix"]["per_phase"]
