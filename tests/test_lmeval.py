@@ -150,9 +150,9 @@ def test_the_lmeval_format_exports_on_smollm2_and_lm_eval_agrees_with_phasekv_ev
     summary = export_lmeval(str(SMOL), cfg, tmp_path / "task")
     metrics = run_eval(Source(hf=str(SMOL)), cfg, tmp_path / "eval", progress=False)
     assert summary["n_prompts"] == metrics["n_prompts"] and metrics["can_do_task"]
+    tasks = TaskManager(include_path=str(tmp_path / "task"))
     out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={SMOL},gguf_file={SMOL_FILE},dtype=float32",
-                                  tasks=[summary["task"]], task_manager=TaskManager(include_path=str(tmp_path / "task")),
-                                  batch_size=16, device="cpu")
+                                  tasks=[summary["task"]], task_manager=tasks, batch_size=16, device="cpu")
     results = out["results"][summary["task"]]
     assert [results[f"acc_phase_{g['phase']},none"] for g in metrics["per_phase"]] == pytest.approx(
         [g["accuracy"] for g in metrics["per_phase"]], abs=1e-12)
