@@ -44,6 +44,8 @@ def test_audit_of_a_model_object_equals_the_command_on_its_saved_weights_and_wri
                  "1", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
     on_disk = json.loads((tmp_path / "cli" / "summary.json").read_text())
     _same_numbers(result.to_dict(), on_disk)
+    page = (tmp_path / "cli" / "report.html").read_text()
+    assert page.index("<img ") < page.index("<table>")  # the per-phase curves open the report, then the table
     assert result.per_phase("none", "prefix") == on_disk["conditions"]["none"]["prefix"]["per_phase"]
     rows = result.per_phase()
     assert len(rows) == 8 and all(r["ci_low"] <= r["accuracy"] <= r["ci_high"] for r in rows)
@@ -271,3 +273,15 @@ def test_the_command_writes_valid_eval_results_and_outputs_that_match_their_sche
     assert "| none | prefix |" in card and "figures/phases_prefix.png" in card
     with pytest.raises(AssertionError):
         validate_eval_result_entries([{"dataset": {"id": "x/y"}, "value": 1.0, "date": "2026-12-06", "metric": 1}])
+
+
+def test_report_to_tensorboard_without_the_package_is_one_line(monkeypatch):
+    import importlib.util
+
+    from phasekv.training import report
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"phasekv\[tensorboard\]") as info:
+        report.open_reporter(__import__("pathlib").Path("unused"), "tensorboard")
+    assert "\n" not in str(info.value) and report.open_reporter("unused", "none").writer is None

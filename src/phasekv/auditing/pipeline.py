@@ -196,7 +196,13 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
     for protocol in summary["settings"]["protocols"]:
         if protocol == "query":
             parts += _query_section(conditions, out)
-        parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2><table><tr><th>condition</th>"
+        # the conditions' per-phase curves first: the headline a reader wants on the first screen, then the table
+        path = plot_residue_curves({n: r[protocol] for n, r in conditions.items()},
+                                   out / "figures" / f"phases_{protocol}.png",
+                                   title=f"Accuracy by target position mod S, {protocol} padding")
+        parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2>")
+        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+        parts.append("<table><tr><th>condition</th>"
                      "<th>mean %</th><th>in-context chance %</th><th>format chance %</th>"
                      "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
         for name, result in conditions.items():
@@ -207,10 +213,6 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                          f"<td>{m['detected_period']}</td><td>{m['flatness_p']:.3g}</td>"
                          f"<td>{html.escape(m['verdict'])}</td></tr>")
         parts.append("</table>")
-        path = plot_residue_curves({n: r[protocol] for n, r in conditions.items()},
-                                   out / "figures" / f"phases_{protocol}.png",
-                                   title=f"Accuracy by target position mod S, {protocol} padding")
-        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
     if summary.get("comparison"):
         parts += ["<h2>Engine vs reference</h2><p class='note'>The same prompts through the served model and through "
                   "transformers on the same weights: agreement of the greedy next tokens (Wilson 95% intervals) and "
