@@ -17,7 +17,9 @@ def tokenizer():
     return bpe_tokenizer()
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+# records-lmeval's filler " ." is one token in real byte-level BPE vocabularies (SmolLM2's: tests/test_lmeval.py), not
+# in the small test tokenizer
+@pytest.mark.parametrize("name", sorted(set(FORMATS) - {"records-lmeval"}))
 def test_every_record_has_one_length_and_answers_are_not_a_giveaway(request, name):
     tokenizer = request.getfixturevalue("prose_tokenizer" if FORMATS[name].haystack_tokens else "tokenizer")
     vocab = FormatVocabulary(FORMATS[name], tokenizer)

@@ -13,7 +13,7 @@ from phasekv.evaluate.runner import run_eval
 from phasekv.evaluate.sources import Source
 from phasekv.export import lmeval_task
 from phasekv.export.lmeval import answer_texts, export_lmeval
-from tests.helpers import bpe_tokenizer
+from tests.helpers import SMOL, SMOL_FILE, bpe_tokenizer, needs_real_model
 
 # one-digit values: 9 possible answers, so a model restricted to them is right about 1 time in 9, unevenly
 DIGITS = ("name: digits1\nheader: \"Here is the list of records.\\n\"\nkey_text: \"{key}:\"\n"
@@ -132,3 +132,27 @@ def test_group_metrics_average_their_own_documents_only():
     assert right["acc_residue_03"] == 1.0 and right["acc_residue_04"] is None and wrong["acc_phase_1"] == 0.0
     assert lmeval_task.group_accuracy([None, 1.0, 0.0, 1.0, None]) == pytest.approx(2 / 3)
     assert lmeval_task.gap([(0, 1.0), (0, 0.0), (1, 1.0), (2, 0.0)]) == 100.0
+
+
+@pytest.mark.slow
+@needs_real_model
+def test_the_lmeval_format_exports_on_smollm2_and_lm_eval_agrees_with_phasekv_eval(tmp_path):
+    """SmolLM2's real tokenizer: `records` is refused (its "\\n" fillers merge), `records-lmeval` round-trips, and the
+    real lm_eval run on the exported task gives phasekv eval's per-phase accuracies on the same prompts."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    settings = dict(records=24, demos=4, stride=8, residue_modulus=8, clusters=2, protocol="prefix",
+                    gguf_file=SMOL_FILE)
+    with pytest.raises(ValueError, match="do not tokenize back"):
+        export_lmeval(str(SMOL), EvalConfig(format="records", **settings), tmp_path / "refused")
+    cfg = EvalConfig(format="records-lmeval", **settings)
+    summary = export_lmeval(str(SMOL), cfg, tmp_path / "task")
+    metrics = run_eval(Source(hf=str(SMOL)), cfg, tmp_path / "eval", progress=False)
+    assert summary["n_prompts"] == metrics["n_prompts"] and metrics["can_do_task"]
+    tasks = TaskManager(include_path=str(tmp_path / "task"))
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={SMOL},gguf_file={SMOL_FILE},dtype=float32",
+                                  tasks=[summary["task"]], task_manager=tasks, batch_size=16, device="cpu")
+    results = out["results"][summary["task"]]
+    assert [results[f"acc_phase_{g['phase']},none"] for g in metrics["per_phase"]] == pytest.approx(
+        [g["accuracy"] for g in metrics["per_phase"]], abs=1e-12)

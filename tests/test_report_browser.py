@@ -40,7 +40,8 @@ addEventListener("load", () => {
     broken: [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.alt),
     no_alt: [...document.images].filter(i => !(i.alt || "").trim()).length,
     images: document.images.length,
-    sections: [...document.querySelectorAll("h2[id]")].map(h => h.id)};
+    sections: [...document.querySelectorAll("h2[id]")].map(h => h.id),
+    first_image: document.images.length ? document.images[0].getBoundingClientRect().bottom + scrollY : null};
   const out = document.createElement("pre");
   out.id = "probe";
   out.textContent = JSON.stringify(result);
@@ -82,7 +83,8 @@ def probe(page: Path) -> dict:
     text = page.read_text()
     probed = page.with_name(f"probed_{page.name}")
     probed.write_text(text.replace("<head>", f"<head>{PROBE}", 1))
-    run = subprocess.run([CHROMIUM, *FLAGS, "--dump-dom", probed.as_uri()], capture_output=True, text=True,
+    run = subprocess.run([CHROMIUM, *FLAGS, "--window-size=1280,800", "--dump-dom", probed.as_uri()],
+                         capture_output=True, text=True,
                          timeout=60)
     found = re.search(r'<pre id="probe">(.*?)</pre>', run.stdout, re.S)
     assert found, f"the probe did not report (chromium exit {run.returncode}): {run.stderr[-2000:]}"
@@ -97,11 +99,12 @@ def test_report_renders_cleanly_in_chromium(report):
     assert result["errors"] == [] and result["console"] == [], result
     assert result["broken"] == [] and result["no_alt"] == 0, result
     assert result["images"] >= 3, result  # heatmap and one residue grid per protocol
-    assert result["sections"][0] == "findings", "the findings table comes first"
+    assert result["sections"][:2] == ["phase-heatmap", "findings"], "the headline figure first, then the findings"
+    assert result["first_image"] <= 800, "the headline figure fits the first screen (1280 x 800)"
     assert set(SECTIONS) <= set(result["sections"]), f"missing sections: {set(SECTIONS) - set(result['sections'])}"
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     SCREENSHOT.unlink(missing_ok=True)
-    subprocess.run([CHROMIUM, *FLAGS, "--window-size=1200,3000", f"--screenshot={SCREENSHOT}", report.as_uri()],
+    subprocess.run([CHROMIUM, *FLAGS, "--window-size=1280,800", f"--screenshot={SCREENSHOT}", report.as_uri()],
                    capture_output=True, timeout=60, check=True)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -118,9 +121,10 @@ def test_probe_catches_a_corrupted_image(report):
 
 
 def test_report_reads_top_down(report):
-    """Findings first, one summary line per model, not-measured findings kept, alt text on every image."""
+    """The headline figure, then the findings, one summary line per model, not-measured findings kept, alt text on
+    every image."""
     page = report.read_text()
-    order = [page.index(mark) for mark in ("id='findings'", "<p class='note'>", "id='models'", "id='phase-heatmap'",
+    order = [page.index(mark) for mark in ("id='phase-heatmap'", "id='findings'", "<p class='note'>", "id='models'",
                                            "id='prefix'", "id='insequence'")]
     assert order == sorted(order)
     assert page.count("<li><b>") == 3 and "not measured" in page and "1 hold, 1 fail, 1 inconclusive of 3" in page

@@ -160,6 +160,10 @@ def append_jsonl(path: Path, row: Any, *, sort_keys: bool = False, compact: bool
     return path
 
 
+# the layouts' versions, written into the files as `schema_version` (docs/results.md: the JSON schemas); raised when a
+# field is removed, renamed or changes meaning
+METRICS_SCHEMA_VERSION = 1  # metrics.json of eval, and of each audit condition and protocol
+SUMMARY_SCHEMA_VERSION = 1  # summary.json of audit
 MARKER = ".phasekv-output"  # every directory `output_dir` publishes holds this file: --force replaces only those
 _RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h)
 # PHASEKV_RENAME_EXCHANGE=0 takes the two-rename path (for file systems that refuse the exchange; and its tests)

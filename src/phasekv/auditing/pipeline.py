@@ -48,11 +48,11 @@ from phasekv.data.longcontext import LongContextSet, LongContextSpec
 from phasekv.engines.client import EndpointAdapter, check_reference
 from phasekv.engines.journal import prompt_key, prompt_set_key, published
 from phasekv.evaluate.longrun import LongSetView, depth_statistics, predict_long
-from phasekv.evaluate.runner import predict, write_run
+from phasekv.evaluate.runner import predict, write_run, write_run_files
 from phasekv.evaluate.sources import audit_sets
 from phasekv.evaluate.verdict import task_verdict
 from phasekv.figures.evaluation import plot_cross_phase_heatmap, plot_phase_heatmap, plot_residue_curves
-from phasekv.outputs import write_json
+from phasekv.outputs import SUMMARY_SCHEMA_VERSION, write_json
 from phasekv.report.html import comparison_table, figure, page, pct, query_phase_table
 from phasekv.report.reproduce import METRIC_KEYS, check_finite
 
@@ -70,20 +70,20 @@ def compressed_verdict(m: dict[str, Any], chance: float, in_context_chance: floa
     return task_verdict(m, chance, in_context_chance, capable=True)
 
 
-def _evaluate(adapter: Adapter, eval_set, out: Path, cfg: EvalConfig, progress: bool, gated: bool) -> dict[str, Any]:
-    """Metrics of one condition and protocol; `gated`: the uncompressed model passed the capability gate.  A
-    long-context set is streamed and also judged per target depth (`by_depth`)."""
-    judge = compressed_verdict if gated else task_verdict
+def _evaluate(adapter: Adapter, eval_set, cfg: EvalConfig, condition: str, progress: bool) -> dict[str, Any]:
+    """Full metrics and prediction records of one condition and protocol (the uncompressed model passed the
+    capability gate for every condition but `none`).  A long-context set is streamed and also judged per target
+    depth (`by_depth`)."""
+    judge = task_verdict if condition == "none" else compressed_verdict
     if isinstance(eval_set, LongContextSet):
         view = LongSetView(eval_set)
-        records = predict_long(adapter, eval_set, progress=progress, desc=f"{out.parent.name} {view.protocol}")
-        metrics = write_run(adapter, view, records, out, cfg.seed, judge=judge)
+        records = predict_long(adapter, eval_set, progress=progress, desc=f"{_safe(condition)} {view.protocol}")
+        metrics = write_run(adapter, view, records, None, cfg.seed, judge=judge)
         metrics["by_depth"] = depth_statistics(records, view, seed=cfg.seed, judge=judge)
-    else:
-        records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{out.parent.name} "
-                                                                                  f"{eval_set.protocol}")
-        metrics = write_run(adapter, eval_set, records, out, cfg.seed, judge=judge)
-    return {k: metrics[k] for k in AUDIT_KEYS if k in metrics}
+        return {"metrics": metrics, "records": records}
+    records = predict(adapter, eval_set, cfg.batch_size, True, progress, desc=f"{_safe(condition)} {eval_set.protocol}")
+    metrics = write_run(adapter, eval_set, records, None, cfg.seed, judge=judge)
+    return {"metrics": metrics, "records": records}
 
 
 def long_sets(spec: LongContextSpec, tokenizer: Any, protocols: tuple[str, ...]) -> dict[str, LongContextSet]:
@@ -91,13 +91,26 @@ def long_sets(spec: LongContextSpec, tokenizer: Any, protocols: tuple[str, ...])
     return {p: LongContextSet(dataclasses.replace(spec, protocol=p), tokenizer) for p in protocols}
 
 
-def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path, *, plan: AuditPlan = PLAN,
+def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path | None, *, plan: AuditPlan = PLAN,
               force: bool = False, progress: bool = True, reference: Adapter | None = None,
               long_context: LongContextSpec | None = None) -> dict[str, Any]:
+    """`measure_audit`, published as OUT atomically (with an endpoint's journal: `write_audit`); the summary."""
+    with published(out, force, adapter if isinstance(adapter, EndpointAdapter) else None) as tmp:
+        summary, runs = measure_audit(adapter, tokenizer, cfg, plan=plan, progress=progress, reference=reference,
+                                      long_context=long_context)
+        write_audit(summary, runs, tmp)
+    return summary
+
+
+def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: AuditPlan = PLAN, progress: bool = True,
+                  reference: Adapter | None = None,
+                  long_context: LongContextSpec | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Audit `adapter` (a transformers model, or an `EndpointAdapter`) under each of `plan`'s conditions, on the
     prompt sets `cfg` describes (`audit_config`: its format, records, demos, stride, local window, seed, batch size,
-    chat template); publish OUT atomically (with an endpoint's journal).  `reference`: the served model's weights
-    in process (needs an endpoint `adapter`), compared prompt by prompt."""
+    chat template), writing nothing.  `reference`: the served model's weights in process (needs an endpoint
+    `adapter`), compared prompt by prompt.  (summary, runs): runs[condition][protocol] holds that run's full
+    metrics and prediction records (what `write_audit` writes).  `long_context`: the prompt sets are that
+    long-context design's (its stride and protocols from `cfg` and `plan`), streamed, with a verdict per depth."""
     served = isinstance(adapter, EndpointAdapter)
     check_reference(served, reference)
     conditions = ("none", *[c for c in plan.conditions if c != "none"])  # the capability gate always runs first
@@ -105,56 +118,68 @@ def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path
     check_conditions(conditions, geometry)
     vocab = None if long_context else FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer)
     started = time.perf_counter()
-    with published(out, force, adapter if served else None) as tmp:
-        sets = long_sets(long_context, tokenizer, protocols) if long_context else audit_sets(
-            vocab, cfg, protocols, plan.prompts_per_phase)
-        adapter.check_length(max(s.prompt_length for s in sets.values()))
-        if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
-            adapter.journal.bind("prompt_set", prompt_set_key(_ids(p) for s in sets.values() for p in s.prompts()))
-        results: dict[str, Any] = {}
-        for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
-            cond_adapter = condition_adapter(adapter, condition, geometry)
-            try:
-                results[condition] = {p: _evaluate(cond_adapter, s, tmp / "conditions" / _safe(condition) / p, cfg,
-                                                   progress, condition != "none")
-                                      for p, s in sets.items()}
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was answered so far, beside the journal
-                if served and adapter.journal is not None:
-                    write_partial(adapter, sets)
-                raise
-            results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
-            if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
-                results[condition]["kept"] = cond_adapter.kept()
-            if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
-                results[condition].update(cond_adapter.extras(sets, progress))
-            if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
-                log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
-                            cfg.format)
-                break
-        if reference is not None:
-            from phasekv.evaluate.served import compare
+    sets = long_sets(long_context, tokenizer, protocols) if long_context else audit_sets(
+        vocab, cfg, protocols, plan.prompts_per_phase)
+    adapter.check_length(max(s.prompt_length for s in sets.values()))
+    if served and adapter.journal is not None:  # a resumed journal must hold answers to these prompts
+        adapter.journal.bind("prompt_set", prompt_set_key(_ids(p) for s in sets.values() for p in s.prompts()))
+    results: dict[str, Any] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    for condition in tqdm(conditions, desc="audit", unit="condition", disable=not progress):
+        cond_adapter = condition_adapter(adapter, condition, geometry)
+        try:
+            runs[condition] = {p: _evaluate(cond_adapter, s, cfg, condition, progress) for p, s in sets.items()}
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was answered so far, beside the journal
+            if served and adapter.journal is not None:
+                write_partial(adapter, sets)
+            raise
+        results[condition] = {p: {k: run["metrics"][k] for k in AUDIT_KEYS if k in run["metrics"]}
+                              for p, run in runs[condition].items()}
+        results[condition]["cache_bytes"] = getattr(cond_adapter, "bytes", None)  # full vs compressed prefill
+        if hasattr(cond_adapter, "kept"):  # a press: the share of each phase's positions it kept (both protocols)
+            results[condition]["kept"] = cond_adapter.kept()
+        if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
+            results[condition].update(cond_adapter.extras(sets, progress))
+        if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
+            log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
+                        cfg.format)
+            break
+    summary = {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "model": adapter.info.name, "conditions": results,
+        "format": vocab.to_dict() if vocab else {"format": {"name": f"long-context {long_context.family}"},
+                                                 "long_context": sets[protocols[0]].settings},
+        "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
+        "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
+                     "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
+                     "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
+                         vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids) if vocab else None},
+    }
+    if reference is not None:
+        from phasekv.evaluate.served import compare
 
-            comparison = {p: compare(adapter, reference, s, cfg.batch_size) for p, s in sets.items()}
-            write_json(tmp / "comparison.json", comparison)
-        summary = {
-            "model": adapter.info.name, "conditions": results,
-            "format": vocab.to_dict() if vocab else {"format": {"name": f"long-context {long_context.family}"},
-                                                     "long_context": sets[protocols[0]].settings},
-            "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
-            "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
-                         "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
-                         "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
-                             vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids) if vocab else None},
-            "elapsed_s": round(time.perf_counter() - started, 1),
-        }
-        if reference is not None:
-            summary["comparison"] = comparison
-        if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
-            summary["engine_report"] = adapter.report()
-        check_finite(summary)
-        write_json(tmp / "summary.json", summary)
-        write_audit_report(summary, tmp)
-    return summary
+        summary["comparison"] = {p: compare(adapter, reference, s, cfg.batch_size) for p, s in sets.items()}
+    if served:  # what the server says about its own settings (llama.cpp: /props, /slots), beside the verdict
+        summary["engine_report"] = adapter.report()
+    summary["elapsed_s"] = round(time.perf_counter() - started, 1)
+    check_finite(summary)
+    return summary, runs
+
+
+def write_audit(summary: dict[str, Any], runs: dict[str, dict[str, Any]], out: str | Path | None) -> None:
+    """An audit's files in the directory `out` (nothing when None): each condition's and protocol's run
+    (conditions/COND/PROTOCOL/: metrics.json, predictions.jsonl, figures), comparison.json with a reference,
+    summary.json and report.html."""
+    if out is None:
+        return
+    out = Path(out)
+    for condition, protocols in runs.items():
+        for protocol, run in protocols.items():
+            write_run_files(run["metrics"], run["records"], out / "conditions" / _safe(condition) / protocol)
+    if "comparison" in summary:
+        write_json(out / "comparison.json", summary["comparison"])
+    write_json(out / "summary.json", summary)
+    write_audit_report(summary, out)
 
 
 def _ids(prompt) -> list[int]:
@@ -229,7 +254,20 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
     for protocol in summary["settings"]["protocols"]:
         if protocol == "query":
             parts += _query_section(conditions, out)
-        parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2><table><tr><th>condition</th>"
+        # the conditions' per-phase curves first: the headline a reader wants on the first screen, then the table
+        path = plot_residue_curves({n: r[protocol] for n, r in conditions.items()},
+                                   out / "figures" / f"phases_{protocol}.png",
+                                   title=f"Accuracy by target position mod S, {protocol} padding")
+        parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2>")
+        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+        depths = {f"{n}, depth {d}": m for n, r in conditions.items()
+                  for d, m in r[protocol].get("by_depth", {}).items()}
+        if depths:  # a long-context set: the needle-in-a-haystack map with the phase axis
+            path = plot_phase_heatmap(depths, out / "figures" / f"depth_phase_{protocol}.png",
+                                      title=f"Accuracy [%] by target depth and phase, {protocol}")
+            parts.append(figure(path, "Top-1 accuracy by target depth (rows, per condition) and phase (columns); the "
+                                      "per-depth verdicts and Wilson intervals are in summary.json's by_depth."))
+        parts.append("<table><tr><th>condition</th>"
                      "<th>mean %</th><th>in-context chance %</th><th>format chance %</th>"
                      "<th>worst phase %</th><th>gap pp</th><th>period</th><th>flatness p</th><th>verdict</th></tr>")
         for name, result in conditions.items():
@@ -240,17 +278,6 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                          f"<td>{m['detected_period']}</td><td>{m['flatness_p']:.3g}</td>"
                          f"<td>{html.escape(m['verdict'])}</td></tr>")
         parts.append("</table>")
-        path = plot_residue_curves({n: r[protocol] for n, r in conditions.items()},
-                                   out / "figures" / f"phases_{protocol}.png",
-                                   title=f"Accuracy by target position mod S, {protocol} padding")
-        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
-        depths = {f"{n}, depth {d}": m for n, r in conditions.items()
-                  for d, m in r[protocol].get("by_depth", {}).items()}
-        if depths:  # a long-context set: the needle-in-a-haystack map with the phase axis
-            path = plot_phase_heatmap(depths, out / "figures" / f"depth_phase_{protocol}.png",
-                                      title=f"Accuracy [%] by target depth and phase, {protocol}")
-            parts.append(figure(path, "Top-1 accuracy by target depth (rows, per condition) and phase (columns); the "
-                                      "per-depth verdicts and Wilson intervals are in summary.json's by_depth."))
     if summary.get("comparison"):
         parts += ["<h2>Engine vs reference</h2><p class='note'>The same prompts through the served model and through "
                   "transformers on the same weights: agreement of the greedy next tokens (Wilson 95% intervals) and "

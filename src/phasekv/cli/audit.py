@@ -20,7 +20,7 @@ HF_CONDITIONS = DEFAULT_CONDITIONS
 PLAN = AuditPlan()
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> None:  # long: every flag of the command, in its --help groups
     from phasekv.conditions.grammar import compress_help
 
     p = sub.add_parser("audit", help="is a real model's retrieval phase sensitive under chunk compression?")
@@ -84,6 +84,7 @@ def add_parser(sub) -> None:
     output = p.add_argument_group("output")
     output.add_argument("--out", required=True, help="output directory (report.html, summary.json, per-condition "
                                                      "runs)")
+    output.add_argument("--eval-results", metavar="DIR", help="also the Hub's .eval_results/*.yaml and a model card")
     output.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     output.add_argument("--no-progress", action="store_true")
     output.add_argument("--dry-run", action="store_true", help="print the run's requests, prompt tokens and time "
@@ -168,6 +169,8 @@ def run(args) -> dict[str, Any]:
     if args.launch:
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force)  # before loading anything
+    if args.eval_results:
+        check_output_dir(Path(args.eval_results), args.force)
     device, dtype = args.device or "auto", args.dtype or "float32"
     if args.threads:
         import torch
@@ -190,6 +193,10 @@ def run(args) -> dict[str, Any]:
         if args.endpoint is not None:
             adapter.close()
     print_verdicts(summary)
+    if args.eval_results:
+        from phasekv.api.publish import write_eval_results
+
+        write_eval_results(summary, args.eval_results, force=args.force)
     for protocol, comparison in summary.get("comparison", {}).items():
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "

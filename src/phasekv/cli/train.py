@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a config value (repeatable), e.g. --set train.steps=100")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--report-to", choices=("none", "tensorboard"), help="also log every metrics row to this logger "
+                                                                       "(= --set train.report_to=...)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -40,12 +42,25 @@ def run(args) -> None:
     from phasekv.memory import check_budget
     from phasekv.training.loop import train
 
-    exp = Experiment.from_file(args.config, args.overrides)
+    overrides = [*args.overrides, *([f"train.report_to={args.report_to}"] if args.report_to else [])]
+    exp = Experiment.from_file(args.config, overrides)
     micro, need = activation_bytes(exp, int(os.environ.get("WORLD_SIZE", 1)))
     check_budget(need, f"train: a micro-batch of {micro:,} sequences of {exp.data.seq_len} tokens",
                  device=exp.train.device, bound="at least", advice="lower train.batch_size or raise train.grad_accum")
     try:
-        train(exp, args.out, resume=args.resume, progress=not args.no_progress)
+        train(exp, args.out, resume=args.resume, progress=not args.no_progress, checks=phase_checks(exp))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def phase_checks(exp: Experiment) -> tuple:
+    """The phase check of `train.phase_check_prompts` prompts per phase at each validation (none at 0): the prompts
+    in the run's own word vocabulary, at the model's stride."""
+    if not exp.train.phase_check_prompts:
+        return ()
+    from phasekv.api.phase_check import PhaseCheck, phase_metrics
+
+    check = PhaseCheck(every=1, prompts_per_phase=exp.train.phase_check_prompts, data=exp.data,
+                       demos=min(2, exp.data.n_records - 1), seed=exp.train.seed)
+    return (lambda model: phase_metrics(check.run(model)),)

@@ -103,9 +103,12 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" (checked by phasekv.distributed)
     threads: int = spec(0, low=0, high=1024)  # torch CPU threads (0: torch's default)
     save_dtype: str = spec("float32", choices=("float32", "float16", "bfloat16"))  # final weights' dtype
+    report_to: str = spec("none", choices=("none", "tensorboard"))  # metrics.jsonl's rows also to this logger
+    phase_check_prompts: int = spec(0, low=0, high=4096)  # prompts per phase of the phase check at each validation
 
     # fields that may change when a run is resumed (everything else must match the saved run)
-    RESUMABLE = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "threads", "device")
+    RESUMABLE = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "threads", "device",
+                 "report_to", "phase_check_prompts")
 
     def __post_init__(self) -> None:
         check_fields(self, "train")

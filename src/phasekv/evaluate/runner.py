@@ -30,7 +30,7 @@ from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.sources import Source, batch_size, open_source
 from phasekv.evaluate.verdict import pair_period, query_phase_statistics, target_pairs, task_verdict
 from phasekv.figures.evaluation import plot_accuracy_by_residue, plot_cross_phase_heatmap
-from phasekv.outputs import check_output_dir, output_dir, write_json, write_jsonl
+from phasekv.outputs import METRICS_SCHEMA_VERSION, check_output_dir, output_dir, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
         metrics.update(pair_period(records, eval_set.residue_modulus))
     metrics.update(judge(metrics, eval_set.chance, eval_set.in_context_chance))
     metrics.update({
+        "schema_version": METRICS_SCHEMA_VERSION,
         "protocol": eval_set.protocol,
         "model": adapter.info.name,
         "model_stride": adapter.info.stride,
@@ -154,18 +155,25 @@ def write_run(adapter: Adapter, eval_set: EvalSet, records: list[dict[str, Any]]
                                               eval_set.in_context_chance, judge=judge, n_boot=n_boot, seed=seed))
         metrics["query_position_matching"] = eval_set.matching_stats(coordinate="query")
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "metrics.json", metrics)
-        write_jsonl(out / "predictions.jsonl", records, sort_keys=True)
-        if figures:
-            plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
-                                     title=f"{adapter.info.name}: {eval_set.protocol} padding")
-            if "cross" in metrics:
-                plot_cross_phase_heatmap(metrics["cross"], out / "accuracy_by_source_and_query_phase.png",
-                                         title=f"{adapter.info.name}: accuracy [%] by source x query phase")
-        log.info("wrote %s", out)
+        write_run_files(metrics, records, out, figures=figures)
     return metrics
+
+
+def write_run_files(metrics: dict[str, Any], records: list[dict[str, Any]], out: str | Path, *,
+                    figures: bool = True) -> Path:
+    """One run's files in `out`: metrics.json, predictions.jsonl and (with `figures`) its figures."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "metrics.json", metrics)
+    write_jsonl(out / "predictions.jsonl", records, sort_keys=True)
+    if figures:
+        plot_accuracy_by_residue(metrics, out / "accuracy_by_residue.png",
+                                 title=f"{metrics['model']}: {metrics['protocol']} padding")
+        if "cross" in metrics:
+            plot_cross_phase_heatmap(metrics["cross"], out / "accuracy_by_source_and_query_phase.png",
+                                     title=f"{metrics['model']}: accuracy [%] by source x query phase")
+    log.info("wrote %s", out)
+    return out
 
 
 def run_eval(source: Source, cfg: EvalConfig, out: str | Path, force: bool = False,

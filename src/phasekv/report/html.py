@@ -30,8 +30,9 @@ figure{margin:1.2em 0}figcaption{font-size:13px;color:#555}ul.models{font-size:1
 table.findings td,table.findings th{text-align:left}
 """
 # the sections every report has, in page order (id -> heading); the probes' sections follow when measured
-SECTIONS = {"findings": "Findings", "models": "Models at a glance (prefix padding)",
-            "phase-heatmap": "Accuracy by phase", "prefix": "prefix padding", "insequence": "insequence padding"}
+SECTIONS = {"phase-heatmap": "Accuracy by phase, every model and its verdict (prefix padding)", "findings": "Findings",
+            "models": "Models at a glance (prefix padding)", "prefix": "prefix padding",
+            "insequence": "insequence padding"}
 THEORY_ALT = {
     "theory_training.png": "Theory model training: population loss over steps for every seed, the key and value "
                            "gate positions r_h each head settles on, and how often two heads collide.",
@@ -102,7 +103,9 @@ def write_report(summary: dict[str, Any], out: str | Path, drawn: dict[str, dict
     figs.mkdir(parents=True, exist_ok=True)
     models = summary["models"]
     drawn = {name: (drawn or {}).get(name) or model_figures(name, m, figs) for name, m in models.items()}
-    parts = ["<h1>Phase sensitivity from chunked KV-cache compression: reproduction report</h1>"]
+    glance, heatmap = _glance(models, figs)
+    # the headline picture first (every model's accuracy by phase, each with its verdict), then the findings
+    parts = ["<h1>Phase sensitivity from chunked KV-cache compression: reproduction report</h1>", *heatmap]
     parts += _findings(summary["findings"])
     parts.append("<p class='note'>Every number on this page is read from summary.json in the same directory, and "
                  "every figure is redrawn from it. Accuracy is full-vocabulary top-1 of the answer; residue = target "
@@ -110,7 +113,7 @@ def write_report(summary: dict[str, Any], out: str | Path, drawn: dict[str, dict
                  "definition, biased upward by noise); the cross-fitted gap chooses the groups on half of the "
                  "clusters and measures them on the other half.</p>")
     parts += _fixes(summary.get("fixes") or [])
-    parts += _glance(models, figs)
+    parts += glance
     parts += _protocols(models, figs)
     parts += _knockouts(models, drawn)
     parts += _gates(models, figs, drawn)
@@ -151,23 +154,24 @@ def _short_verdict(p: dict[str, Any]) -> str:
     return re.split(r"[:(]", p.get("verdict", "n/a"))[0].strip()
 
 
-def _glance(models: dict[str, Any], figs: Path) -> list[str]:
-    """One line per model (prefix padding: mean, chance, gap, period, verdict) and the phase heatmap."""
+def _glance(models: dict[str, Any], figs: Path) -> tuple[list[str], list[str]]:
+    """One line per model (prefix padding: mean, chance, gap, period, verdict), and the phase heatmap (each row
+    labelled with the model's verdict): the report's headline."""
     lines = []
     for name, m in models.items():
         p = m["prefix"]
         lines.append(f"<li><b>{html.escape(name)}</b>: mean {pct(p['mean_accuracy'])}% (in-context chance "
                      f"{pct(p.get('in_context_chance'))}%), gap {p['max_gap_pp']:.1f} pp, period "
                      f"{p['detected_period']} (S = {p['stride']}): {html.escape(_short_verdict(p))}</li>")
-    curves = {n: m["prefix"] for n, m in models.items()}
+    curves = {f"{n}: {_short_verdict(m['prefix'])}": m["prefix"] for n, m in models.items()}
     strong = {n: [str(r["phase"]) for r in p["per_phase"] if r["accuracy"] >= 0.5] for n, p in curves.items()}
     cells = "; ".join(f"{n}: {', '.join(v) or 'none'}" for n, v in strong.items())
     heatmap = figure(plot_phase_heatmap(curves, figs / "phase_heatmap.png"),
                    "Top-1 accuracy by phase (position mod S), one row per model, prefix padding; grey cells lie "
                    "beyond a model's stride S.",
                    alt=f"Heatmap of accuracy by phase, rows models, columns phases. Phases at 50% or more: {cells}.")
-    return [_h2("models", SECTIONS["models"]), f"<ul class='models'>{''.join(lines)}</ul>",
-            _h2("phase-heatmap", SECTIONS["phase-heatmap"]), heatmap]
+    return ([_h2("models", SECTIONS["models"]), f"<ul class='models'>{''.join(lines)}</ul>"],
+            [_h2("phase-heatmap", SECTIONS["phase-heatmap"]), heatmap])
 
 
 def _protocols(models: dict[str, Any], figs: Path) -> list[str]:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from phasekv.compression import compressors_of, shifted_windows
 from phasekv.config import Experiment, TrainConfig
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
+from phasekv.training.report import check_report_to, open_reporter
 from phasekv.training.rundir import (
     append_metrics,
     ensure_final,
@@ -95,9 +97,12 @@ def _check_trainable(model: torch.nn.Module, exp: Experiment, vocab: Vocabulary)
             raise ValueError(f"model.{c.name}: cannot be trained here: {problem}")
 
 
-def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool = True) -> dict[str, float]:
-    """Train `exp` into run directory `out`; returns the last logged metrics."""
+def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool = True, *,
+          checks: tuple[Callable[[torch.nn.Module], dict[str, float]], ...] = ()) -> dict[str, float]:
+    """Train `exp` into run directory `out`; returns the last logged metrics.  `checks`: more metrics of the model
+    at each validation (e.g. the phase check, `phasekv.api.phase_check`), added to the row."""
     cfg = exp.train
+    check_report_to(cfg.report_to)
     dd = distributed.setup(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -115,8 +120,12 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     start = open_run(run, exp, tree=tree, resume=resume, dd=dd, model=model, optimizer=optimizer)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
-    last = _train_loop(ddp, model, optimizer, stream, exp=exp, tree=tree, run=run, start=start, dd=dd,
-                       progress=progress)
+    reporter = open_reporter(run, cfg.report_to if dd.main else "none")
+    try:
+        last = _train_loop(ddp, model, optimizer, stream, exp=exp, tree=tree, run=run, start=start, dd=dd,
+                           progress=progress, report=(reporter, checks))
+    finally:
+        reporter.close()
     if dd.main:
         ensure_final(run, model, tree, getattr(torch, cfg.save_dtype))
     dd.barrier()
@@ -164,10 +173,11 @@ def _train_step(ddp, model, optimizer, parts, *, cfg: TrainConfig, dd, lr: float
     return loss_value, tokens, aux_total
 
 
-def _train_loop(ddp, model, optimizer, stream, *, exp: Experiment, tree: dict, run: Path, start: int, dd,
-                progress: bool) -> dict[str, float]:
+def _train_loop(ddp, model, optimizer, stream, *, exp: Experiment, tree: dict, run: Path, start: int, dd,  # long:
+                progress: bool, report: tuple = (None, ())) -> dict[str, float]:  # the loop reads in one place
     """Steps `start`..train.steps of `exp`, logging, validating and checkpointing into `run` (whose config.json
-    holds `tree`); the last logged metrics."""
+    holds `tree`); the last logged metrics.  `report`: (a `Reporter` of every row, the checks run at validation)."""
+    reporter, checks = report
     cfg = exp.train
     val_batches = stream.validation_set(cfg.eval_sequences, batch_size=min(64, cfg.eval_sequences))
     micro = cfg.batch_size // (dd.world * cfg.grad_accum)
@@ -198,8 +208,12 @@ def _train_loop(ddp, model, optimizer, stream, *, exp: Experiment, tree: dict, r
             t_last, tokens_since = now, 0
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 row.update(evaluate_validation(model, val_batches, dd.device))
+                for check in checks:
+                    row.update(check(model))
             if dd.main:
                 append_metrics(run, row)
+                if reporter is not None:
+                    reporter.log(row)
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 **({"val_acc": f"{row['val_lookup_acc']:.3f}"} if "val_lookup_acc" in row else {}))
             last = row
