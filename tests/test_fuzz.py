@@ -523,9 +523,9 @@ CASES = [
          "not a valid URL (Port out of range 0-65535)"),
     Case("audit-endpoint-no-host", AUDIT_SERVED.format(url="http://:8080"), "names no host"),
     Case("audit-endpoint-timeout-zero", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout 0",
-         "--timeout: must be a finite number of seconds > 0, got 0.0"),
+         "--timeout: must be a finite number of seconds > 0 and at most 604800 (a week), got 0.0"),
     Case("audit-endpoint-timeout-nan", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --timeout nan",
-         "--timeout: must be a finite number of seconds > 0, got nan"),
+         "--timeout: must be a finite number of seconds > 0 and at most 604800 (a week), got nan"),
     Case("audit-endpoint-sglang-reuse-prefix", AUDIT_SERVED.format(url="http://127.0.0.1:9") +
          " --api sglang --reuse-prefix", "--reuse-prefix: the sglang API has no per-request prompt-cache switch"),
     Case("audit-endpoint-dtype", AUDIT_SERVED.format(url="http://127.0.0.1:9") + " --dtype bfloat16",
