@@ -1,0 +1,98 @@
+"""Continuation scoring by teacher forcing: log P(continuation | prompt), summed over all its tokens.
+
+The prompt minus its last token is prefilled (under a compression condition, the adapter compresses that cache:
+`phasekv.conditions.grammar.condition_adapter`), and every continuation c is continued from the cache as the query
+[last prompt token] + c[:-1], whose logits at step j score c[j].  So the decision point and the continuation are
+the queries a condition's local window sees raw, and the whole context before them is what it compresses, as in
+the audit's retrieval prompts.  A cache is read, never changed, so all continuations of a context share its one
+prefill; contexts of one length and continuation lengths share a batch, and continuations of one length one
+`continue_from` call (no padding anywhere: every position is real).  One prompt of one token has no context to
+prefill and is scored by one forward pass (`adapter.logits`).
+
+No judge model: the decision is the continuation with the largest summed log-probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from phasekv.adapters.base import Adapter
+
+Scores = dict[str, list[float]]  # label -> log-probability of each of its tokens
+
+
+def score_batch(adapter: Adapter, prompts: Sequence[Sequence[int]],
+                continuations: dict[str, Sequence[int]]) -> list[Scores]:
+    """Per prompt (all of one length), per label, the log-probabilities of the continuation's tokens."""
+    rows = [list(p) for p in prompts]
+    if len(rows[0]) == 1:
+        return [_one_forward(adapter, row, continuations) for row in rows]
+    cache = adapter.prefill(torch.tensor([r[:-1] for r in rows]))
+    out: list[Scores] = [{} for _ in rows]
+    by_length: dict[int, list[str]] = {}
+    for label, ids in continuations.items():
+        by_length.setdefault(len(ids), []).append(label)
+    for length, labels in by_length.items():
+        queries = [[row[-1], *continuations[label][:-1]] for row in rows for label in labels]  # context-major
+        logp = _finite(adapter.continue_from(cache, torch.tensor(queries), len(labels))).float().log_softmax(-1)
+        targets = torch.tensor([list(continuations[label]) for _ in rows for label in labels])  # (B * n, t)
+        picked = logp.gather(-1, targets.to(logp.device)[..., None])[..., 0].tolist()  # (B * n, t)
+        for q, values in enumerate(picked):
+            out[q // len(labels)][labels[q % len(labels)]] = values
+    del cache
+    return out
+
+
+def _one_forward(adapter: Adapter, row: list[int], continuations: dict[str, Sequence[int]]) -> Scores:
+    scores: Scores = {}
+    for label, ids in continuations.items():
+        logp = _finite(adapter.logits(torch.tensor([row + list(ids[:-1])])))[0, len(row) - 1:].float()
+        scores[label] = logp.log_softmax(-1)[torch.arange(len(ids)), torch.tensor(list(ids))].tolist()
+    return scores
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(logits).all():
+        raise ValueError("model produced non-finite logits (NaN or inf): refusing to score continuations")
+    return logits
+
+
+def score_prompts(adapter: Adapter, prompts: Sequence, *, batch_size: int = 8, progress: bool = True,
+                  desc: str = "score") -> list[Scores]:
+    """`score_batch` over prompts with `.ids` and `.continuations` (`phasekv.decisions.prompts.Prompt`), batched by
+    prompt length and continuations; results in the input order."""
+    adapter.check_length(max(len(p.ids) + max(len(c) for c in p.continuations.values()) - 1 for p in prompts))
+    adapter.check_length(min(len(p.ids) - 1 for p in prompts))  # a condition refuses a cache it would not compress
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault((len(p.ids), tuple(sorted((k, len(v)) for k, v in p.continuations.items()))), []).append(i)
+    out: list[Scores | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, leave=False) as bar:
+        for members in groups.values():
+            for start in range(0, len(members), batch_size):
+                chunk = members[start:start + batch_size]
+                by_conts: dict[tuple, list[int]] = {}  # one batch shares its continuations' ids
+                for i in chunk:
+                    by_conts.setdefault(tuple(sorted(prompts[i].continuations.items())), []).append(i)
+                for conts, rows in by_conts.items():
+                    for i, scores in zip(rows, score_batch(adapter, [prompts[i].ids for i in rows], dict(conts))):
+                        out[i] = scores
+                bar.update(len(chunk))
+    return out  # type: ignore[return-value]
+
+
+Scorer = Callable[[str, Sequence], list[Scores]]  # (condition, prompts) -> scores, in order
+
+
+def adapter_scorer(base: Adapter, geometry, *, batch_size: int = 8, progress: bool = True) -> Scorer:
+    """A `Scorer` that evaluates `base` under each condition through the audit's grammar."""
+    from phasekv.conditions.grammar import condition_adapter
+
+    def score(condition: str, prompts: Sequence) -> list[Scores]:
+        adapter = condition_adapter(base, condition, geometry)
+        return score_prompts(adapter, prompts, batch_size=batch_size, progress=progress, desc=condition)
+
+    return score
