@@ -161,7 +161,8 @@ def summarize(rows: dict[str, list[dict[str, Any]]], settings: dict[str, Any], c
             raise ValueError(f"condition {condition}: decided other items than the uncompressed model")
         effect = stats.phase_effect(m["correct"], m["phases"], stride, minimum_pp=settings.get("minimum_pp",
                                     stats.MINIMUM_PP), n_boot=settings.get("n_boot", 1000), **options)
-        result: dict[str, Any] = {"effect": effect, "mean_margin": float(np.mean([r["margin"] for r in condition_rows]))}
+        margin = float(np.mean([r["margin"] for r in condition_rows]))
+        result: dict[str, Any] = {"effect": effect, "mean_margin": margin}
         if condition == "none":
             result["gate"] = gate
             result["verdict"] = (f"padding alone: {stats.verdict_line(effect)}" if gate["can_decide"] else

@@ -35,7 +35,7 @@ def score_batch(adapter: Adapter, prompts: Sequence[Sequence[int]],
     by_length: dict[int, list[str]] = {}
     for label, ids in continuations.items():
         by_length.setdefault(len(ids), []).append(label)
-    for length, labels in by_length.items():
+    for labels in by_length.values():
         queries = [[row[-1], *continuations[label][:-1]] for row in rows for label in labels]  # context-major
         logp = _finite(adapter.continue_from(cache, torch.tensor(queries), len(labels))).float().log_softmax(-1)
         targets = torch.tensor([list(continuations[label]) for _ in rows for label in labels])  # (B * n, t)
