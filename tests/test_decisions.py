@@ -10,11 +10,10 @@ import torch
 
 from phasekv.adapters.hf import HFAdapter
 from phasekv.decisions import stats
-from phasekv.decisions.pipeline import run_decide
+from phasekv.decisions.pipeline import adapter_scorer, run_decide
 from phasekv.decisions.prompts import build_prompts, encode, item_prompts, render
-from phasekv.decisions.scoring import adapter_scorer, score_prompts
+from phasekv.decisions.scoring import forward_logprobs, score_prompts
 from phasekv.decisions.sets import SHIPPED, load_set, parse_set
-from phasekv.evaluate.sweep import continuation_logprobs
 from tests.helpers import SMOL, SMOL_FILE, needs_real_model, tiny_causal_lm
 
 
@@ -138,7 +137,7 @@ def test_cached_scoring_equals_one_forward_teacher_forcing():
     scores = score_prompts(adapter, prompts, batch_size=4, progress=False)
     for p, got in zip(prompts, scores):
         labels = list(p.continuations)
-        want = continuation_logprobs(adapter, p.ids, [p.continuations[label] for label in labels])
+        want = forward_logprobs(adapter, p.ids, [p.continuations[label] for label in labels])
         for label, values in zip(labels, want):
             assert got[label] == pytest.approx(values, abs=1e-4)
 

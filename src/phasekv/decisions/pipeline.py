@@ -33,7 +33,7 @@ import numpy as np
 from phasekv.decisions import stats
 from phasekv.decisions.prompts import Prompt
 from phasekv.decisions.report import write_report
-from phasekv.decisions.scoring import Scorer
+from phasekv.decisions.scoring import Scorer, score_prompts
 from phasekv.engines.journal import journal_dir
 from phasekv.outputs import append_jsonl, check_output_dir, fsync_dir, output_dir, write_json, write_jsonl
 
@@ -184,6 +184,17 @@ def summarize(rows: dict[str, list[dict[str, Any]]], settings: dict[str, Any], c
             "conditions": conditions}
 
 
+def adapter_scorer(base, geometry, *, batch_size: int = 8, progress: bool = True) -> Scorer:
+    """A `Scorer` that evaluates the adapter `base` under each condition through the audit's grammar."""
+    from phasekv.conditions.grammar import condition_adapter
+
+    def score(condition: str, prompts: Sequence) -> list[dict[str, list[float]]]:
+        adapter = condition_adapter(base, condition, geometry)
+        return score_prompts(adapter, prompts, batch_size=batch_size, progress=progress, desc=condition)
+
+    return score
+
+
 def decide_hf(hf: str, set_name: str, out: str | Path, *, conditions: Sequence[str], geometry, shifts: int | None,
               options: dict[str, Any]) -> dict[str, Any]:
     """`phasekv decide --hf`: load the model (`gguf_file`, `device`, `dtype` in `options`), build the set's prompts
@@ -192,7 +203,6 @@ def decide_hf(hf: str, set_name: str, out: str | Path, *, conditions: Sequence[s
     from phasekv.adapters.hf import load_hf
     from phasekv.conditions.grammar import check_conditions
     from phasekv.decisions.prompts import build_prompts, check_shifts
-    from phasekv.decisions.scoring import adapter_scorer
     from phasekv.decisions.sets import load_set
 
     check_conditions(tuple(conditions), geometry)

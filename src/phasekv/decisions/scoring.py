@@ -47,11 +47,27 @@ def score_batch(adapter: Adapter, prompts: Sequence[Sequence[int]],
 
 
 def _one_forward(adapter: Adapter, row: list[int], continuations: dict[str, Sequence[int]]) -> Scores:
-    scores: Scores = {}
-    for label, ids in continuations.items():
-        logp = _finite(adapter.logits(torch.tensor([row + list(ids[:-1])])))[0, len(row) - 1:].float()
-        scores[label] = logp.log_softmax(-1)[torch.arange(len(ids)), torch.tensor(list(ids))].tolist()
-    return scores
+    labels = list(continuations)
+    return dict(zip(labels, forward_logprobs(adapter, row, [continuations[label] for label in labels])))
+
+
+def forward_logprobs(adapter: Adapter, prompt: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Per candidate, log P(token k | prompt + candidate[:k]) for each of its tokens, by whole forward passes
+    (`adapter.logits`: any adapter, no cache; `phasekv sweep`'s path and the reference of the cached one).
+
+    The input of candidate c is prompt + c[:-1]; equal inputs run once, inputs of equal length share one batch (no
+    padding: nothing may shift a position)."""
+    prompt = list(prompt)
+    inputs = {tuple(prompt + list(c[:-1])) for c in candidates}
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for row in sorted(inputs):
+        by_length.setdefault(len(row), []).append(row)
+    logp: dict[tuple[int, ...], torch.Tensor] = {}
+    for rows in by_length.values():
+        out = _finite(adapter.logits(torch.tensor(rows)))[:, len(prompt) - 1:].float().log_softmax(-1)  # (k, t, V)
+        logp.update(zip(rows, out))
+    return [logp[tuple(prompt + list(c[:-1]))][torch.arange(len(c)), torch.tensor(list(c))].tolist()
+            for c in candidates]
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -85,14 +101,3 @@ def score_prompts(adapter: Adapter, prompts: Sequence, *, batch_size: int = 8, p
 
 
 Scorer = Callable[[str, Sequence], list[Scores]]  # (condition, prompts) -> scores, in order
-
-
-def adapter_scorer(base: Adapter, geometry, *, batch_size: int = 8, progress: bool = True) -> Scorer:
-    """A `Scorer` that evaluates `base` under each condition through the audit's grammar."""
-    from phasekv.conditions.grammar import condition_adapter
-
-    def score(condition: str, prompts: Sequence) -> list[Scores]:
-        adapter = condition_adapter(base, condition, geometry)
-        return score_prompts(adapter, prompts, batch_size=batch_size, progress=progress, desc=condition)
-
-    return score
