@@ -40,6 +40,7 @@ from phasekv.outputs import append_jsonl, check_output_dir, fsync_dir, output_di
 log = logging.getLogger(__name__)
 
 JOURNAL = "decide_journal.jsonl"
+ITEMS_PER_CALL = 8  # items scored together (their prompts of equal length batched), then journaled
 
 
 def decision_row(prompt: Prompt, scores: dict[str, list[float]]) -> dict[str, Any]:
@@ -112,10 +113,12 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
         by_item.setdefault(p.item, []).append(p)
     started = time.perf_counter()
     for condition in conditions:
-        for item, group in by_item.items():
-            if (condition, item) not in journal.done:
-                rows = [decision_row(p, s) for p, s in zip(group, scorer(condition, group), strict=True)]
-                journal.add(condition, item, rows)
+        todo = [item for item in by_item if (condition, item) not in journal.done]
+        for start in range(0, len(todo), ITEMS_PER_CALL):  # items share batches; each is journaled when scored
+            chunk = todo[start:start + ITEMS_PER_CALL]
+            scores = iter(scorer(condition, [p for item in chunk for p in by_item[item]]))
+            for item in chunk:
+                journal.add(condition, item, [decision_row(p, next(scores)) for p in by_item[item]])
     rows = {c: [r for item in by_item for r in journal.done[(c, item)]] for c in conditions}
     summary = summarize(rows, settings, chance=float(np.mean([1 / len(g[0].continuations) for g in by_item.values()])))
     summary.update({"elapsed_s": time.perf_counter() - started, "resumed_pairs": journal.resumed,

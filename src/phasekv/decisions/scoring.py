@@ -5,9 +5,9 @@ The prompt minus its last token is prefilled (under a compression condition, the
 [last prompt token] + c[:-1], whose logits at step j score c[j].  So the decision point and the continuation are
 the queries a condition's local window sees raw, and the whole context before them is what it compresses, as in
 the audit's retrieval prompts.  A cache is read, never changed, so all continuations of a context share its one
-prefill; contexts of one length and continuation lengths share a batch, and continuations of one length one
-`continue_from` call (no padding anywhere: every position is real).  One prompt of one token has no context to
-prefill and is scored by one forward pass (`adapter.logits`).
+prefill; contexts of one length and one set of continuation lengths share a batch (whatever their items), and
+the continuations of one length one `continue_from` call (no padding anywhere: every position is real).  A prompt
+of one token has no context to prefill and is scored by whole forward passes (`forward_logprobs`).
 
 No judge model: the decision is the continuation with the largest summed log-probability.
 """
@@ -24,24 +24,30 @@ from phasekv.adapters.base import Adapter
 Scores = dict[str, list[float]]  # label -> log-probability of each of its tokens
 
 
+def _shape(continuations: dict[str, Sequence[int]]) -> tuple[int, ...]:
+    """The sorted continuation lengths: prompts of one length and one shape share a batch."""
+    return tuple(sorted(len(ids) for ids in continuations.values()))
+
+
 def score_batch(adapter: Adapter, prompts: Sequence[Sequence[int]],
-                continuations: dict[str, Sequence[int]]) -> list[Scores]:
-    """Per prompt (all of one length), per label, the log-probabilities of the continuation's tokens."""
+                continuations: Sequence[dict[str, Sequence[int]]]) -> list[Scores]:
+    """Per prompt (all of one length, their continuations of one `_shape`), per label, the log-probabilities of the
+    continuation's tokens."""
     rows = [list(p) for p in prompts]
     if len(rows[0]) == 1:
-        return [_one_forward(adapter, row, continuations) for row in rows]
+        return [_one_forward(adapter, row, conts) for row, conts in zip(rows, continuations)]
     cache = adapter.prefill(torch.tensor([r[:-1] for r in rows]))
     out: list[Scores] = [{} for _ in rows]
-    by_length: dict[int, list[str]] = {}
-    for label, ids in continuations.items():
-        by_length.setdefault(len(ids), []).append(label)
-    for labels in by_length.values():
-        queries = [[row[-1], *continuations[label][:-1]] for row in rows for label in labels]  # context-major
-        logp = _finite(adapter.continue_from(cache, torch.tensor(queries), len(labels))).float().log_softmax(-1)
-        targets = torch.tensor([list(continuations[label]) for _ in rows for label in labels])  # (B * n, t)
+    for length in sorted(set(_shape(continuations[0]))):
+        labels = [[label for label, ids in conts.items() if len(ids) == length] for conts in continuations]
+        n = len(labels[0])  # the same for every row: one shape
+        queries = [[row[-1], *conts[label][:-1]] for row, conts, own in zip(rows, continuations, labels)
+                   for label in own]  # context-major, (B * n, t)
+        targets = torch.tensor([list(conts[label]) for conts, own in zip(continuations, labels) for label in own])
+        logp = _finite(adapter.continue_from(cache, torch.tensor(queries), n)).float().log_softmax(-1)
         picked = logp.gather(-1, targets.to(logp.device)[..., None])[..., 0].tolist()  # (B * n, t)
         for q, values in enumerate(picked):
-            out[q // len(labels)][labels[q % len(labels)]] = values
+            out[q // n][labels[q // n][q % n]] = values
     del cache
     return out
 
@@ -84,18 +90,16 @@ def score_prompts(adapter: Adapter, prompts: Sequence, *, batch_size: int = 8, p
     adapter.check_length(min(len(p.ids) - 1 for p in prompts))  # a condition refuses a cache it would not compress
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
-        groups.setdefault((len(p.ids), tuple(sorted((k, len(v)) for k, v in p.continuations.items()))), []).append(i)
+        groups.setdefault((len(p.ids), _shape(p.continuations)), []).append(i)
     out: list[Scores | None] = [None] * len(prompts)
     with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, leave=False) as bar:
         for members in groups.values():
             for start in range(0, len(members), batch_size):
                 chunk = members[start:start + batch_size]
-                by_conts: dict[tuple, list[int]] = {}  # one batch shares its continuations' ids
-                for i in chunk:
-                    by_conts.setdefault(tuple(sorted(prompts[i].continuations.items())), []).append(i)
-                for conts, rows in by_conts.items():
-                    for i, scores in zip(rows, score_batch(adapter, [prompts[i].ids for i in rows], dict(conts))):
-                        out[i] = scores
+                scores = score_batch(adapter, [prompts[i].ids for i in chunk],
+                                     [prompts[i].continuations for i in chunk])
+                for i, row in zip(chunk, scores, strict=True):
+                    out[i] = row
                 bar.update(len(chunk))
     return out  # type: ignore[return-value]
 
