@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from phasekv.decisions import stats
 from phasekv.decisions.prompts import Prompt
@@ -112,7 +113,7 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
     for p in prompts:
         by_item.setdefault(p.item, []).append(p)
     started = time.perf_counter()
-    for condition in conditions:
+    for condition in tqdm(conditions, desc="decide", unit="condition", disable=not progress):
         todo = [item for item in by_item if (condition, item) not in journal.done]
         for start in range(0, len(todo), ITEMS_PER_CALL):  # items share batches; each is journaled when scored
             chunk = todo[start:start + ITEMS_PER_CALL]
@@ -191,9 +192,12 @@ def adapter_scorer(base, geometry, *, batch_size: int = 8, progress: bool = True
     """A `Scorer` that evaluates the adapter `base` under each condition through the audit's grammar."""
     from phasekv.conditions.grammar import condition_adapter
 
+    adapters: dict[str, Any] = {}  # one adapter per condition, built on its first chunk
+
     def score(condition: str, prompts: Sequence) -> list[dict[str, list[float]]]:
-        adapter = condition_adapter(base, condition, geometry)
-        return score_prompts(adapter, prompts, batch_size=batch_size, progress=progress, desc=condition)
+        if condition not in adapters:
+            adapters[condition] = condition_adapter(base, condition, geometry)
+        return score_prompts(adapters[condition], prompts, batch_size=batch_size, progress=progress, desc=condition)
 
     return score
 
