@@ -270,6 +270,8 @@ def test_outputs_resume_and_atomicity(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [".phasekv-output", "decisions.jsonl", "figures", "items.jsonl",
                                                      "report.html", "summary.json"]
     assert not any(p.name.endswith("tmp-journal") for p in tmp_path.iterdir())
+    page = (out / "report.html").read_text()
+    assert page.count("<img") == 1 and "decisions phase sensitive" in page and "padding alone" in page
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
     row = next(r for r in items if r["condition"] == "select:3")
     assert row["flips"] == 1 and len(row["decisions"]) == 8 and row["changes"] in (1, 2)
