@@ -460,6 +460,15 @@ CASES = [
          "holds the input --checkpoint"),
     Case("eval-out-inside-checkpoint", "eval --checkpoint {ws}/run --out {ws}/run/sub", "lies inside the input"),
     Case("eval-hf-out-is-model", "eval --hf {ws}/hf --out {ws}/hf --force", "is the input --hf"),
+    # decide: every flag refused before the model loads; an endpoint refused in one line (no continuation scoring)
+    Case("decide-endpoint", "decide --endpoint http://127.0.0.1:9 --out {c}/out", "top-k log-probabilities"),
+    Case("decide-no-model", "decide --out {c}/out", "--hf: give the model"),
+    Case("decide-set-missing", "decide --hf {ws}/hf --set {c}/nope.yaml --out {c}/out", "neither a shipped set"),
+    Case("decide-shifts-not-multiple", "decide --hf {ws}/hf --shifts 5 --out {c}/out", "--shifts 5: must be a"),
+    Case("decide-bad-condition", "decide --hf {ws}/hf --compress select:99 --out {c}/out", "select needs an offset"),
+    Case("decide-items-zero", "decide --hf {ws}/hf --items 0 --out {c}/out", "--items: must be >= 1"),
+    Case("decide-set-bad-item", "decide --hf {ws}/hf --set {c}/s.yaml --out {c}/out", "item 'a': context",
+         lambda ws, c: (c / "s.yaml").write_text("name: s\nitems:\n- {id: a, context: no slot}\n")),
     Case("audit-hf-out-is-model", "audit --hf {ws}/hf --out {ws}/hf --force", "is the input --hf"),
     Case("knockout-out-is-checkpoint", "knockout --checkpoint {ws}/run --out {ws}/run --force", "is the input"),
     Case("reproduce-out-holds-checkpoints", "reproduce --checkpoints {ws}/run --out {ws} --force", "holds the input"),
@@ -600,7 +609,7 @@ def test_eval_checks_out_before_computing(ws: Path, capsys, monkeypatch):
 
 
 # the cases whose flags must be refused before any model or tokenizer is opened
-EARLY = [c for c in CASES if c.id.startswith(("audit-", "format-", "eval-checkpoint-", "eval-prompt-set",
+EARLY = [c for c in CASES if c.id.startswith(("audit-", "decide-", "format-", "eval-checkpoint-", "eval-prompt-set",
                                               "eval-hf-prompt-set", "train-batch-a-million", "eval-endpoint-",
                                               "eval-hf-timeout"))]
 

@@ -33,7 +33,7 @@ from pathlib import Path
 # printed, when rank 1 failed first)
 RANK_ERROR_GRACE_S = 10.0
 COMMAND_MODULES = ["demo", "train", "evaluate", "sweep", "theory", "knockout", "gates", "cycle", "grid", "reproduce",
-                   "audit", "train_indexer", "export"]
+                   "audit", "decide", "train_indexer", "export"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,7 +7,9 @@ For every filler length n = 0..max_filler the prompt is
 
     prefix + n x filler + text            (every token real: no padding, see docs/architecture.md)
 
-and the two candidate continuations a and b are scored after it by teacher forcing: P(a), P(b) are
+and the two candidate continuations a and b are scored after it by teacher forcing (the decision audit's
+scoring, `phasekv.decisions.scoring.forward_logprobs`: `phasekv sweep` is `phasekv decide`'s special case of one
+item, one continuation pair and a single growing filler, without a compression condition): P(a), P(b) are
 the probabilities of their FIRST tokens at the prompt's last position, logp_a, logp_b the summed
 log-probabilities of all their tokens (equal to log P(a), log P(b) for one-token candidates).  The
 ranking of the two completions is the larger full log-probability; the signal whose period is
@@ -48,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 from phasekv.adapters.base import Adapter
+from phasekv.decisions.scoring import forward_logprobs
 from phasekv.evaluate.sources import Source, open_checkpoint
 from phasekv.figures.evaluation import plot_sweep
 from phasekv.outputs import write_json
@@ -101,26 +103,6 @@ def periodic_agreement(choices: Sequence[str], score: ArrayLike, period: int) ->
     return pattern, agreement
 
 
-def continuation_logprobs(adapter: Adapter, prompt: Sequence[int],
-                          candidates: Sequence[Sequence[int]]) -> list[list[float]]:
-    """Per candidate, log P(token k | prompt + candidate[:k]) for each of its tokens (teacher forcing).
-
-    The input of candidate c is prompt + c[:-1]; equal inputs run once, inputs of equal length share
-    one batch (no padding: nothing may shift a position).
-    """
-    prompt = list(prompt)
-    inputs = {tuple(prompt + list(c[:-1])) for c in candidates}
-    by_length: dict[int, list[tuple[int, ...]]] = {}
-    for row in sorted(inputs):
-        by_length.setdefault(len(row), []).append(row)
-    logp: dict[tuple[int, ...], torch.Tensor] = {}
-    for rows in by_length.values():
-        out = adapter.logits(torch.tensor(rows))[:, len(prompt) - 1:].float().log_softmax(-1)  # (k, len(c), V)
-        logp.update(zip(rows, out))
-    return [logp[tuple(prompt + list(c[:-1]))][torch.arange(len(c)), torch.tensor(list(c))].tolist()
-            for c in candidates]
-
-
 def _check_sweep(adapter: Adapter, *, prefix_ids: list[int], filler_id: int, text_ids: list[int], a_ids: list[int],
                  b_ids: list[int], max_filler: int) -> None:
     prefix_ids, text_ids, a_ids, b_ids = (list(map(int, x)) for x in (prefix_ids, text_ids, a_ids, b_ids))
@@ -155,7 +137,7 @@ def run_sweep(adapter: Adapter, decode: Callable[[Sequence[int]], str], *, prefi
     rows = []
     for n in tqdm(range(max_filler + 1), desc="sweep", unit="length", disable=not progress, leave=False):
         prompt = prefix_ids + [filler_id] * n + text_ids
-        lp_a, lp_b = continuation_logprobs(adapter, prompt, [a_ids, b_ids])
+        lp_a, lp_b = forward_logprobs(adapter, prompt, [a_ids, b_ids])
         p_a, p_b = float(np.exp(lp_a[0])), float(np.exp(lp_b[0]))
         logp_a, logp_b = float(sum(lp_a)), float(sum(lp_b))
         choice = "a" if logp_a > logp_b else "b" if logp_b > logp_a else "tie"
