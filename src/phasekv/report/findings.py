@@ -182,8 +182,9 @@ def compressed_layer_drop(m: dict[str, Any]) -> float | None:
     """The largest relative accuracy loss (%, negative) of a knockout in one of the model's compressed layers
     (`compressed_layers`), or None when those layers or their knockouts were not measured."""
     layers, knockout = m.get("compressed_layers"), m.get("knockout")
-    rows = [r for r in (knockout or {}).get("rows", []) if layers and r.get("layer") in layers]
-    return min(r["mean_rel_change_pct"] for r in rows) if rows else None
+    drops = [r["mean_rel_change_pct"] for r in (knockout or {}).get("rows", [])
+             if layers and r.get("layer") in layers and r.get("mean_rel_change_pct") is not None]  # None: at zero
+    return min(drops) if drops else None
 
 
 def _transformers_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +209,7 @@ def chunked_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
     """Llama 4's chunked local attention, a fixed grid with no compressor at all, judged by the rule of every
     transformers model with a grid (`_transformers_claim`): phase sensitive at period C, the chunk size."""
     f = _transformers_claim(name, m)
-    verb = {"holds": "is", "fails": "is not"}.get(f["status"], "is or is not (undecided)")
+    verb = {"holds": "is", "fails": "is not"}.get(f["status"], "may or may not be")
     return {**f, "claim": f"{name}: Llama 4's chunked attention {verb} phase sensitive at period C = {m['stride']}",
             "paper": "no published measurement (a shipped architecture with a fixed chunk grid, no compressor)"}
 
