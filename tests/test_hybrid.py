@@ -219,6 +219,17 @@ def test_a_press_refuses_a_hybrid_model_in_one_line():
         PressAdapter(adapter, "knorm:ratio=0.5")
 
 
+def test_a_hybrid_model_never_shares_a_prefix_cache():
+    """A shared prefix is a broadcast of full-attention keys: a window or a recurrent state cannot be broadcast."""
+    from tests.helpers import tiny_causal_lm
+
+    assert HFAdapter(tiny_causal_lm("llama", 64, 128, "sdpa"), "llama").shares_prefix
+    for name in FAMILIES:
+        adapter = HFAdapter(build(name), name)
+        assert not adapter.shares_prefix
+        assert not condition_adapter(adapter, "select:3", GEOMETRY).shares_prefix
+
+
 def test_static_and_indexed_cache_layers_are_refused_in_one_line():
     from transformers.cache_utils import Cache, DynamicIndexedLayer, StaticLayer
 

@@ -161,6 +161,7 @@ class PosthocAdapter(Wrapped):
         self.window, self.stride, self.local_window = window, stride, local_window
         self.bytes = {"full": 0, "compressed": 0}
         self.kinds = layer_kinds(inner.module)
+        self.shares_prefix = inner.shares_prefix  # a hybrid model prefills whole (`HFAdapter`)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("post-hoc compression happens between prefill and the queries: evaluate with "
