@@ -268,3 +268,23 @@ def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path,
         assert 0 <= result["prefix"]["mean_accuracy"] <= 1
     page = (tmp_path / "audit" / "report.html").read_text()
     assert "<h2>Layers</h2>" in page and f"({kinds[0]})" in page
+
+
+def test_llama4s_chunked_layer_sees_exactly_its_own_chunk_the_grid_its_geometry_names():
+    """Phase = position mod C relative to the chunk grid (`archs.llama4`): the chunked layer's output at t depends on
+    the tokens floor(t / C) * C .. t and on nothing before; the global layer's does."""
+    from phasekv.archs import geometry_of
+
+    model = build("llama4")
+    geometry = geometry_of(model)
+    assert (geometry.window, geometry.stride, geometry.compressed_layers) == (8, 8, (0,))
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[0, 20] = (changed[0, 20] + 1) % 64  # position 20: chunk 2 (16 .. 23)
+    modules = {i: layer.self_attn for i, layer in enumerate(model.model.layers)}
+    _, a = _outputs(None, modules, lambda: model(input_ids=ids))
+    _, b = _outputs(None, modules, lambda: model(input_ids=changed))
+    moved = (a[0][0] - b[0][0]).abs().amax(-1)[0]  # (T,) chunked layer
+    assert torch.equal(moved[:20], torch.zeros(20)) and (moved[20:24] > 0).all()
+    assert torch.equal(moved[24:], torch.zeros(16))  # the next chunks never see position 20
+    assert ((a[1][0] - b[1][0]).abs().amax(-1)[0, 24:] > 0).all()  # the global layer does
