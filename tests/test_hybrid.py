@@ -288,3 +288,22 @@ def test_llama4s_chunked_layer_sees_exactly_its_own_chunk_the_grid_its_geometry_
     assert torch.equal(moved[:20], torch.zeros(20)) and (moved[20:24] > 0).all()
     assert torch.equal(moved[24:], torch.zeros(16))  # the next chunks never see position 20
     assert ((a[1][0] - b[1][0]).abs().amax(-1)[0, 24:] > 0).all()  # the global layer does
+
+
+def test_head_masks_with_sinks_equal_their_slow_reference():
+    from phasekv.conditions import head_slices as hs
+
+    torch.manual_seed(0)
+    state = hs.MaskState(hs.parse_slices("slices:kind=contiguous,size=2,group=query,local=3,sink=1"), "query")
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q, k, v, sinks = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(4)
+    hs._ACTIVE[id(module)] = state
+    try:
+        fast, _ = hs.masked_attention(module, q, k, v, None, scaling=0.3, s_aux=sinks)
+        plain, _ = hs.masked_attention(module, q, k, v, None, scaling=0.3)
+    finally:
+        hs._ACTIVE.pop(id(module))
+    assert torch.allclose(fast, hs.reference_attention(state, module, q, k, v, scaling=0.3, sinks=sinks), atol=1e-5)
+    assert torch.allclose(plain, hs.reference_attention(state, module, q, k, v, scaling=0.3), atol=1e-5)
+    assert not torch.allclose(fast, plain, atol=1e-3)
