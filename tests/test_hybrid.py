@@ -230,6 +230,16 @@ def test_a_hybrid_model_never_shares_a_prefix_cache():
         assert not condition_adapter(adapter, "select:3", GEOMETRY).shares_prefix
 
 
+def test_a_model_with_no_full_attention_layer_is_refused_in_one_line():
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=64, **COMMON, num_hidden_layers=2, sliding_window=8,
+                                           layer_types=["sliding_attention", "sliding_attention"])
+    adapter = HFAdapter(transformers.Gemma3ForCausalLM(config).eval(), "all-sliding")
+    with pytest.raises(ValueError, match="no full-attention layer .layers: sliding.: every layer bounds"):
+        condition_adapter(adapter, "select:3", GEOMETRY)
+    assert condition_adapter(adapter, "none", GEOMETRY) is adapter
+
+
 def test_static_and_indexed_cache_layers_are_refused_in_one_line():
     from transformers.cache_utils import Cache, DynamicIndexedLayer, StaticLayer
 
