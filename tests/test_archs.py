@@ -73,6 +73,12 @@ ARCH_MATRIX = {
                                                       "indexer_types": ["full", "full"], "linear_head_dim": 8,
                                                       "linear_num_heads": 2, "hc_mult": 1, "pad_token_id": None},
                       ("glm5_kpool_indexer", 4, 4, [1]), indexer=True),
+    "llama4-chunked": Arch("llama4", "llama4_text", dict(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                                         intermediate_size_mlp=64, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                         attention_chunk_size=8, no_rope_layers=[1, 0], moe_layers=[],
+                                                         max_position_embeddings=128, tie_word_embeddings=False),
+                           ("llama4_chunked_attention", 8, 8, [0])),
     "minimax_m3": Arch("minimax_m3", "minimax_m3_vl_text", {**M3}, ("minimax_m3_block_indexer", 4, 4, [1]),
                        indexer=True),
 }

@@ -194,6 +194,20 @@ def test_transformers_model_gets_no_verdict_when_its_compressed_layers_are_unuse
     assert verdict["used-periodic"]["status"] == "holds" and verdict["no-knockout"]["status"] == "holds"
 
 
+def test_llama4_chunked_attention_is_or_is_not_phase_sensitive_at_period_c():
+    def chunked(flat):
+        m = model(compressor="llama4_chunked_attention", window=16, stride=16, gap=1 if flat else 60,
+                  period=1 if flat else 16, flatness_p=1.0 if flat else 1e-4)
+        return {**m, "family": "transformers", "architecture": "llama4", "compressed_layers": [0],
+                "knockout": {"rows": [{"layer": 0, "kv_head": 0, "mean_rel_change_pct": -80.0}]}}
+
+    found = {f["claim"].split(":")[0]: f for f in findings({"yes": chunked(False), "no": chunked(True)})}
+    assert found["yes"]["status"] == "holds"
+    assert found["yes"]["claim"] == "yes: Llama 4's chunked attention is phase sensitive at period C = 16"
+    assert found["no"]["status"] == "fails"
+    assert found["no"]["claim"] == "no: Llama 4's chunked attention is not phase sensitive at period C = 16"
+
+
 def test_counts_keep_every_status():
     found = findings({"w8s8": model(phases=[0.9] * 7 + [0.05], gap=85), "full-1kv": full(mean=0.05,
                                                                                          mean_ci=[0.04, 0.06])})

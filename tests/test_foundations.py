@@ -474,7 +474,7 @@ TESTED_IN = {
     "cli": "test_fuzz.py",  # every subcommand's bad input; kills in test_reliability.py; each command's own test
     "report": "test_reproduce.py",  # with test_findings.py and test_report_browser.py
     "adapters": "test_multiquery.py",  # with test_hf_model.py and test_evaluate.py
-    "conditions": "test_posthoc.py",  # with test_presses.py, test_selection*.py, test_head_slices.py
+    "conditions": "test_posthoc.py",  # with test_presses.py, test_selection*.py, test_head_slices.py, test_hybrid.py
     "engines": "test_endpoint.py",  # with test_endpoint_faults.py, test_engine_grid.py, test_vllm*.py, test_sglang.py
     "export": "test_lmeval.py",  # with test_export_gguf*.py
     "auditing": "test_audit.py",  # with test_engine_grid.py, test_expect.py, test_endpoint_fleet.py

@@ -47,7 +47,7 @@ def test_fast_selection_matches_the_per_query_reference(text, indexer, heads):
     spec = sel.parse_selection(f"{text},heads={heads},indexer={indexer}")
     q, k, v = _call()
     fast = _fast(spec, ix.make_indexer(indexer), q, k, v)
-    ref = sel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v)
+    ref = sel_kernel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v)
     assert torch.allclose(fast, ref, atol=1e-5)
 
 
@@ -123,7 +123,7 @@ def test_the_distilled_indexer_matches_the_reference_too(tmp_path, kind, heads):
     q, k, v = _call(t=41)  # a trailing incomplete pool, which the real module leaves out of its pools
     hidden = torch.randn(2, 41, 16)
     fast = _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden)
-    ref = sel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden=hidden)
+    ref = sel_kernel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden=hidden)
     assert torch.allclose(fast, ref, atol=1e-5)
 
 
@@ -137,8 +137,8 @@ def test_each_query_attends_exactly_sink_local_and_its_pools():
     scores = ix.Oracle().pool_scores(module=None, logits=logits, geometry=geometry, spec=spec, pools=10, kv_heads=2,
                                      hidden=None)
     candidates = sel.candidate_pools(spec, geometry, 10)
-    chosen = sel.select_pools(spec, scores, candidates, geometry.query_pos)
-    mask = sel.selection_mask(spec, geometry, chosen)
+    chosen = sel_kernel.select_pools(spec, scores, candidates, geometry.query_pos)
+    mask = sel_kernel.selection_mask(spec, geometry, chosen)
     pools = chosen[0, 0, 39].nonzero().flatten().tolist()
     expected = {0} | set(range(36, 40)) | {s for j in pools for s in range(4 * j, 4 * j + 4)}
     assert len(pools) == 2 and mask[0, 0, 39].nonzero().flatten().tolist() == sorted(expected)
@@ -156,7 +156,7 @@ def test_the_oracle_selects_the_pools_with_the_most_attention_mass():
     geometry = sel.call_geometry(q, k, None, None)
     scores = ix.Oracle().pool_scores(module=None, logits=torch.matmul(q, k.transpose(-1, -2)), geometry=geometry,
                                      spec=spec, pools=6, kv_heads=1, hidden=None)
-    chosen = sel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, 6), geometry.query_pos)
+    chosen = sel_kernel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, 6), geometry.query_pos)
     assert chosen[0, 0, 23].nonzero().flatten().tolist() == [1]
     assert chosen[0, 0, 6].nonzero().flatten().tolist() == [0]  # at t = 6 pool 1 is incomplete: not a candidate
 
@@ -372,7 +372,7 @@ def test_the_max_indexer_selects_minimax_m3s_own_blocks():
     pools = -(-t // block)
     scores = ix.MaxKey().pool_scores(module=None, logits=logits, geometry=geometry, spec=spec, pools=pools,
                                      kv_heads=heads, hidden=None)
-    mine = sel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, pools), geometry.query_pos)
+    mine = sel_kernel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, pools), geometry.query_pos)
     compared = 0
     for h in range(heads):
         for q in range(block * local_blocks, t):  # from the first query with all its local blocks
@@ -415,7 +415,7 @@ def test_the_mean_indexer_scores_glm5s_own_pooled_keys():
     n = theirs.shape[-1]  # the module keeps complete pools only
     assert n == t // pool and (theirs > 0).all() and int(complete.sum()) > 90
     assert torch.allclose(mine[:, :n][complete[:, :n]], theirs[0][complete[:, :n]], atol=1e-5)
-    chosen = sel.select_pools(spec, mine[None, None], complete, geometry.query_pos)[0, 0]  # (T, pools)
+    chosen = sel_kernel.select_pools(spec, mine[None, None], complete, geometry.query_pos)[0, 0]  # (T, pools)
     for s in range(3 * pool, t):  # queries with at least the three complete pools they select
         assert set(chosen[s].nonzero().flatten().tolist()) == {int(x) // pool for x in tokens[0, s] if x >= 0}, s
 

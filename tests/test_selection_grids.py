@@ -32,7 +32,7 @@ def test_every_grid_matches_the_per_query_reference(text, indexer, grid, heads):
     offsets = _offsets(spec)
     fast = _fast(spec, ix.make_indexer(indexer), q, k, v, offsets=offsets)
     origins = sel_kernel.grid_origins(spec, offsets, 3)
-    ref = sel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v, origins=origins)
+    ref = sel_kernel.reference_attention(spec, ix.make_indexer(indexer), _Layer(), q, k, v, origins=origins)
     assert torch.allclose(fast, ref, atol=1e-5)
 
 
@@ -42,7 +42,7 @@ def test_the_distilled_indexer_on_a_jittered_grid_matches_the_reference(tmp_path
     q, k, v = _call(t=41)
     hidden = torch.randn(2, 41, 16)
     fast = _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden, OFFSETS)
-    ref = sel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden=hidden,
+    ref = sel_kernel.reference_attention(spec, ix.make_indexer(spec.indexer), _Layer(), q, k, v, hidden=hidden,
                                   origins=OFFSETS[:, None])
     assert torch.allclose(fast, ref, atol=1e-5)
     assert not torch.allclose(fast, _fast(spec, ix.make_indexer(spec.indexer), q, k, v, hidden,
@@ -97,8 +97,8 @@ def test_staggered_groups_select_pools_on_their_own_boundaries():
     pools = sel_kernel.pool_count(spec, 47, geometry.origins)
     scores = ix.MaxKey().pool_scores(module=None, logits=logits, geometry=geometry, spec=spec, pools=pools,
                                      kv_heads=2, hidden=None)
-    chosen = sel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, pools), geometry.query_pos)
-    mask = sel.selection_mask(spec, geometry, chosen)  # (B, 2, Tq, Tk)
+    chosen = sel_kernel.select_pools(spec, scores, sel.candidate_pools(spec, geometry, pools), geometry.query_pos)
+    mask = sel_kernel.selection_mask(spec, geometry, chosen)  # (B, 2, Tq, Tk)
     for t in range(24, 48):
         for group, origin in enumerate((0, 2)):
             keys = mask[0, group, t, :t - 3].nonzero().flatten().tolist()  # before the tail t-3 .. t

@@ -147,6 +147,11 @@ class HFAdapter(Adapter):
         # the cache is what a prefill wants: the LM head runs on the last position only where the class allows it
         self._last = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
         self._prefix: tuple[tuple[int, ...], object] | None = None  # the last shared prefix and its cache
+        # a shared prefix is broadcast full-attention keys: a sliding-window, chunked or linear layer prefills whole
+        kinds = getattr(text, "layer_types", None) or (["full_attention"] if getattr(text, "sliding_window", None) is
+                                                       None and getattr(text, "attention_chunk_size", None) is None
+                                                       else ["windowed"])
+        self.shares_prefix = set(kinds) == {"full_attention"}
 
     def attention_layers(self) -> list[nn.Module]:
         layers = None

@@ -10,7 +10,7 @@ Adding an architecture: one file in this package (an `Architecture` subclass dec
 import below, one line in the test matrix (tests/test_archs.py ARCH_MATRIX).  See CONTRIBUTING.md.
 """
 
-from phasekv.archs import deepseek_v4, deepseek_v32, dense, glm5_next, minimax_m3  # noqa: F401  (registration side effects)
+from phasekv.archs import deepseek_v4, deepseek_v32, dense, glm5_next, llama4, minimax_m3  # noqa: F401  (registration side effects)
 from phasekv.archs.base import (
     Architecture,
     CompressionGeometry,

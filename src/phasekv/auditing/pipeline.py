@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from phasekv.adapters.base import Adapter
 from phasekv.conditions.grammar import Geometry, check_conditions, condition_adapter
+from phasekv.conditions.hybrid import touched
 from phasekv.config import AuditPlan, EvalConfig
 from phasekv.data.formats import FormatVocabulary, load_format
 from phasekv.data.longcontext import LongContextSet, LongContextSpec
@@ -140,6 +141,8 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
             results[condition]["kept"] = cond_adapter.kept()
         if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
             results[condition].update(cond_adapter.extras(sets, progress))
+        if not served:  # the layers it acted on (full attention) and those left as the model runs them
+            results[condition]["layers"] = touched(adapter.module, condition != "none")
         if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
             log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
                         cfg.format)
@@ -238,6 +241,21 @@ def _safe(condition: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in condition)
 
 
+def _layers_section(conditions: dict[str, Any]) -> list[str]:
+    """Which layers each condition acted on and which it left as the model runs them (hybrid models)."""
+    rows = [(name, r["layers"]) for name, r in conditions.items() if r.get("layers")]
+    if not rows or all(set(layers["kinds"]) == {"full"} for _, layers in rows):
+        return []
+    out = ["<h2>Layers</h2><p class='note'>A condition acts on the full-attention layers, the ones that keep the whole "
+           "past; sliding-window, chunked and linear layers run as the model runs them.</p><table><tr><th>condition"
+           "</th><th>compressed layers</th><th>left as the model has them</th></tr>"]
+    for name, layers in rows:
+        left = ", ".join(f"{i} ({kind})" for i, kind in layers["left"].items()) or "none"
+        out.append(f"<tr><td>{html.escape(name)}</td><td>{', '.join(map(str, layers['compressed'])) or 'none'}</td>"
+                   f"<td>{html.escape(left)}</td></tr>")
+    return [*out, "</table>"]
+
+
 def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
     """report.html of an audit, drawn from `summary` alone."""
     conditions = summary["conditions"]
@@ -251,6 +269,7 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
         first = summary["settings"]["protocols"][0]
         parts.append(f"<p class='no'>{html.escape(conditions['none'][first]['verdict'])} with this format: "
                      "no compressed condition was evaluated.</p>")
+    parts += _layers_section(conditions)
     for protocol in summary["settings"]["protocols"]:
         if protocol == "query":
             parts += _query_section(conditions, out)

@@ -169,5 +169,14 @@ def check_served(conditions: tuple[str, ...]) -> None:
 
 
 def condition_adapter(base: Adapter, condition: str, geometry: Geometry) -> Adapter:
-    """The adapter that evaluates `base` under one condition."""
+    """The adapter that evaluates `base` under one condition; refused in one line when the model has layers but no
+    full-attention one (every condition acts on those only, `conditions.hybrid`: it would change nothing)."""
+    if condition != "none" and getattr(base, "module", None) is not None:
+        from phasekv.conditions.hybrid import TARGET, layer_kinds
+
+        kinds = layer_kinds(base.module)
+        if kinds and TARGET not in kinds:
+            raise ValueError(f"--compress {condition}: {type(base.module).__name__} has no full-attention layer "
+                             f"(layers: {', '.join(sorted(set(kinds)))}): every layer bounds its own past, so the "
+                             "condition would change nothing")
     return _entry(condition).build(base, condition, geometry)

@@ -17,7 +17,8 @@ local window stay raw, exactly as in `conditions.posthoc` (which is o = 0; teste
 A select policy's compressed cache is full attention with the dropped positions masked out, so the fix runs the
 prefill with full attention (as post-hoc compression does) and the queries under a per-head key mask
 (`adapters.head_slices.masking`); `bytes` counts the positions each head keeps, as a compressed cache would hold
-them.  `reference_kept` is the plain list of kept positions the tests compare the mask with.
+them.  `reference_kept` is the plain list of kept positions the tests compare the mask with.  In a hybrid model only
+the full-attention layers are masked (`conditions.hybrid`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 from phasekv.adapters.base import Wrapped
 from phasekv.conditions.head_slices import MaskState, masking
-from phasekv.conditions.posthoc import Policy, check_geometry, parse_policy
+from phasekv.conditions.hybrid import TARGET, cache_plan, layer_bytes, layer_kinds
+from phasekv.conditions.posthoc import Policy, cache_bytes, check_geometry, parse_policy
 
 MODES = ("stagger", "jitter")
 
@@ -105,6 +107,7 @@ class GridFixAdapter(Wrapped):
         self.state = MaskState(fix, "kv")
         self.bytes = {"full": 0, "compressed": 0}
         self.generator = torch.Generator().manual_seed(fix.seed)  # jitter: one draw per request
+        self.kinds = layer_kinds(inner.module)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("post-hoc compression happens between prefill and the queries: evaluate with "
@@ -117,15 +120,21 @@ class GridFixAdapter(Wrapped):
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
         """(cache, offsets): the full prefill and, for jitter, each context's drawn origin."""
         cache, offsets = self.inner.prefill(ids), self._draw(ids.shape[0])
-        self.bytes = self._bytes(ids.shape[0], ids.shape[1], offsets)
+        self.bytes = self._bytes(cache[0], ids.shape[1], offsets)
         return cache, offsets
 
-    def _bytes(self, rows: int, length: int, offsets: torch.Tensor | None) -> dict[str, int]:
-        i = self.info
-        per_position = 2 * i.num_layers * i.head_dim * 4  # keys and values of one head, float32
-        origins = self.fix.origins(i.num_kv_heads, offsets).expand(rows, -1)
+    def _bytes(self, past, length: int, offsets: torch.Tensor | None) -> dict[str, int]:
+        """The prefilled cache's bytes, and those it holds once each full-attention layer keeps, per head, only the
+        positions of its grid (sliding-window, chunked and linear layers are left as they are)."""
+        targets = [layer for layer, kind in zip(past.layers, cache_plan(past, self.kinds), strict=True)
+                   if kind == TARGET and layer.get_seq_length() > 0]
+        size = targets[0].keys.element_size() if targets else 4
+        per_position = 2 * self.info.head_dim * size * len(targets)  # keys and values of one head, every target
+        rows = targets[0].keys.shape[0] if targets else 0
+        origins = self.fix.origins(self.info.num_kv_heads, offsets).expand(rows, -1)
         kept = sum(len(reference_kept(self.fix, length, int(o))) for o in origins.flatten())
-        return {"full": rows * i.num_kv_heads * length * per_position, "compressed": kept * per_position}
+        full = cache_bytes(past)
+        return {"full": full, "compressed": full - sum(layer_bytes(t) for t in targets) + kept * per_position}
 
     def continue_from(self, cache, ids: torch.Tensor, repeats: int) -> torch.Tensor:
         inner_cache, offsets = cache

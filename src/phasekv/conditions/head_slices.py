@@ -48,6 +48,14 @@ from torch import nn
 
 from phasekv.adapters.base import Wrapped, spec_fields, whole_number
 from phasekv.compression.head_slices import layer_offset, slice_keep
+from phasekv.conditions.hybrid import (
+    attend_left,
+    is_left,
+    release,
+    sink_logits,
+    softmax_with_sinks,
+    split_modules,
+)
 from phasekv.conditions.selection.kernel import call_geometry
 from phasekv.conditions.selection.pooled import attention_configs, attention_modules
 
@@ -157,20 +165,29 @@ def masked_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
     -> ((B, Tq, H, D) output, None) under the module's head mask."""
+    if is_left(module):  # a sliding-window or chunked layer of a hybrid model runs as the model runs it
+        return attend_left(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     state = _ACTIVE[id(module)]
     heads, kv_heads = query.shape[1], key.shape[1]
+    sinks = sink_logits(kwargs, heads)
     geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
     allowed = allowed_keys(state, module, geometry, heads, kv_heads, query.shape[0])
     k = key.repeat_interleave(heads // kv_heads, dim=1)  # (B, H, Tk, D)
     v = value.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (B, H, Tq, D)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)  # (B, H, Tq, D)
+    else:  # GPT-OSS: each head's sink logit takes its share of the softmax
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        logits = torch.matmul(query * scale, k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        out = torch.matmul(softmax_with_sinks(logits, sinks).to(v.dtype), v)
     return out.transpose(1, 2).contiguous(), None
 
 
 def reference_attention(state: MaskState, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor, *, scaling: float) -> torch.Tensor:
+                        value: torch.Tensor, *, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The slow oracle of `masked_attention` for a plain causal call (keys at 0 .. T-1): for each row, head and
-    query, the keys the rule allows are listed one by one and softmax runs over them only.  -> (B, Tq, H, D)."""
+    query, the keys the rule allows are listed one by one and softmax runs over them only (and the head's sink
+    logit, `sinks` (H,), when given).  -> (B, Tq, H, D)."""
     b, heads, tq, d = query.shape
     kv_heads = key.shape[1]
     groups = kv_heads if state.group == "kv" else heads
@@ -185,7 +202,8 @@ def reference_attention(state: MaskState, module: nn.Module, query: torch.Tensor
                 t = int(geometry.query_pos[i])
                 keys = [s for s in range(t + 1) if keep[row % keep.shape[0], g, i, s]]
                 kv = h // (heads // kv_heads)
-                w = torch.softmax(torch.stack([query[row, h, i] @ key[row, kv, s] * scaling for s in keys]), 0)
+                sink = [] if sinks is None else [sinks[h].to(query.dtype)]
+                w = torch.softmax(torch.stack([query[row, h, i] @ key[row, kv, s] * scaling for s in keys] + sink), 0)
                 out[row, i, h] = sum(w[j] * value[row, kv, s] for j, s in enumerate(keys))
     return out
 
@@ -201,11 +219,13 @@ def _register() -> None:
 
 @contextlib.contextmanager
 def masking(model: nn.Module, state: MaskState) -> Iterator[MaskState]:
-    """While active, every attention layer of `model` runs under `state`'s rule; the model's attention
+    """While active, every full-attention layer of `model` runs under `state`'s rule (the others run the model's own
+    attention, `conditions.hybrid`); the model's attention
     implementation is restored on exit, whatever happens."""
     _register()
     configs = [(c, c._attn_implementation) for c in attention_configs(model)]
-    modules = attention_modules(model)
+    every = attention_modules(model)
+    modules = split_modules(model, every, configs[0][1])  # full-attention layers only
     try:
         for module in modules:
             _ACTIVE[id(module)] = state
@@ -213,6 +233,7 @@ def masking(model: nn.Module, state: MaskState) -> Iterator[MaskState]:
             config._attn_implementation = ATTENTION_NAME
         yield state
     finally:
+        release(every)
         for module in modules:
             _ACTIVE.pop(id(module), None)
         for config, implementation in configs:

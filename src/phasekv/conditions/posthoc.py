@@ -22,19 +22,24 @@ Policies (one entry per window, per batch row and KV head):
                 its non-sink tokens, and a window whose selected token (or all of whose tokens)
                 lies in the sink adds no entry, so no token is ever cached twice.
 
+Hybrid models (sliding-window, chunked or linear layers beside full ones, `conditions.hybrid`): only the full-
+attention layers, the ones that keep the whole past, are compressed; the others keep what the model keeps.
+
 Layout: cache tensors are (B, H_kv, T, D), as in transformers' DynamicLayer.  Entries keep the
 order of their window starts; order is irrelevant to attention once RoPE has been applied.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from phasekv.adapters.base import Wrapped, whole_number
 from phasekv.adapters.hf import HFAdapter, read_only
+from phasekv.conditions.hybrid import TARGET, cache_plan, layer_bytes, layer_kinds, offset_layer
 
 POLICIES = ("select:r", "mean", "max-norm")
 
@@ -113,30 +118,31 @@ def compress_layer(keys: torch.Tensor, values: torch.Tensor, policy: Policy, win
     return torch.cat([k for _, k, _ in pieces], 2), torch.cat([v for _, _, v in pieces], 2)
 
 
-def _attention_layers(cache: Cache) -> list[DynamicLayer]:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(cache).__name__}: not a transformers Cache with .layers (transformers >= 4.56)")
-    for i, layer in enumerate(layers):
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"cache layer {i} is a {type(layer).__name__}: post-hoc compression supports full-"
-                             "attention DynamicLayer caches only (no sliding-window, static, quantized or linear)")
-    return layers
-
-
-def compress_cache(cache: Cache, policy: str | Policy, window: int, stride: int, local_window: int) -> Cache:
-    """A compressed copy of a prefilled cache of full-attention DynamicLayers (the input is left unchanged)."""
+def compress_cache(cache: Cache, policy: str | Policy, window: int, stride: int, local_window: int,
+                   kinds: list[str] | None = None) -> Cache:
+    """A compressed copy of a prefilled cache (the input is left unchanged).  Its full-attention layers are
+    compressed; in a hybrid cache (`kinds`: the model's layer kinds, `conditions.hybrid`) the sliding-window,
+    chunked and linear layers are copied as the model left them and the compressed layers become `OffsetLayer`s,
+    which count the positions seen, as the other layers do."""
     check_geometry(window, stride, local_window)
     policy = parse_policy(policy, window) if isinstance(policy, str) else policy
-    return read_only([compress_layer(layer.keys, layer.values, policy, window, stride, local_window)
-                      if layer.get_seq_length() > 0 else (layer.keys, layer.values)
-                      for layer in _attention_layers(cache)], keep=True)
+    plan = cache_plan(cache, kinds)
+    if all(kind == TARGET for kind in plan):
+        return read_only([compress_layer(layer.keys, layer.values, policy, window, stride, local_window)
+                          if layer.get_seq_length() > 0 else (layer.keys, layer.values)
+                          for layer in cache.layers], keep=True)
+    out = copy.copy(cache)
+    out.layers = [copy.deepcopy(layer) if kind != TARGET or layer.get_seq_length() == 0 else
+                  offset_layer(*compress_layer(layer.keys, layer.values, policy, window, stride, local_window),
+                               seen=layer.get_seq_length())
+                  for layer, kind in zip(cache.layers, plan, strict=True)]
+    return out
 
 
 def cache_bytes(cache: Cache) -> int:
-    """Bytes of the keys and values held by a cache."""
-    return sum(t.numel() * t.element_size() for layer in _attention_layers(cache) if layer.get_seq_length() > 0
-               for t in (layer.keys, layer.values))
+    """Bytes of the state a cache holds, every layer type counted (`conditions.hybrid.layer_bytes`)."""
+    cache_plan(cache)
+    return sum(layer_bytes(layer) for layer in cache.layers)
 
 
 class PosthocAdapter(Wrapped):
@@ -154,6 +160,8 @@ class PosthocAdapter(Wrapped):
         self.policy = parse_policy(policy, window)
         self.window, self.stride, self.local_window = window, stride, local_window
         self.bytes = {"full": 0, "compressed": 0}
+        self.kinds = layer_kinds(inner.module)
+        self.shares_prefix = inner.shares_prefix  # a hybrid model prefills whole (`HFAdapter`)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("post-hoc compression happens between prefill and the queries: evaluate with "
@@ -174,6 +182,6 @@ class PosthocAdapter(Wrapped):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
         past, length = self.inner.prefill(ids, prefix)
-        small = compress_cache(past, self.policy, self.window, self.stride, self.local_window)
+        small = compress_cache(past, self.policy, self.window, self.stride, self.local_window, self.kinds)
         self.bytes = {"full": cache_bytes(past), "compressed": cache_bytes(small)}
         return small, length

@@ -57,6 +57,7 @@ from torch import nn
 from phasekv.adapters.base import Wrapped
 from phasekv.adapters.hf import HFAdapter
 from phasekv.archs import repeat_rows as repeat_cache
+from phasekv.conditions.hybrid import TARGET, layer_kinds
 from phasekv.conditions.posthoc import cache_bytes
 
 KVPRESS_VERSION = "0.5.5"  # the version the compatibility layer and tests/test_presses.py verify
@@ -271,6 +272,11 @@ class PressAdapter(Wrapped):
 
     def __init__(self, inner: HFAdapter, spec: str | PressSpec, stride: int | None = None):
         self.spec = parse_press(spec) if isinstance(spec, str) else spec
+        kinds = set(layer_kinds(inner.module))
+        if kinds != {TARGET}:
+            raise ValueError(f"press {self.spec.text}: {type(inner.module).__name__} has {'/'.join(sorted(kinds))} "
+                             "layers; kvpress 0.5.5 presses every attention layer's cache, including the windows and "
+                             "states the model bounds itself: use a post-hoc, kpool, slices or stagger condition")
         if type(inner.module).__name__ not in VERIFIED_MODELS:
             raise ValueError(f"press {self.spec.text}: {type(inner.module).__name__} is not a model presses are "
                              f"verified on ({', '.join(VERIFIED_MODELS)})")

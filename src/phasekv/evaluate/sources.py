@@ -29,6 +29,7 @@ from phasekv.data.vocab import BASE_WORDS, Vocabulary, numbered_words
 from phasekv.distributed import resolve_device
 
 DEFAULT_STRIDE = 8  # phase stride assumed for models without compression (override with stride)
+DEFAULT_RESIDUES = 24  # the residue modulus of the paper's protocols (a multiple of strides 4, 6, 8, 12)
 HF_DEFAULTS = {"n_records": 64, "key_tokens": 1, "value_tokens": 1, "local_window": 16}
 
 @dataclass
@@ -92,8 +93,11 @@ def open_checkpoint(path: str | Path, device: str = "cpu", experiment: tuple[Pat
 
 
 def make_eval_set(adapter: Adapter, vocab, protocol: str, stride: int | None = None, **settings) -> EvalSet:
-    """The prompt set for `adapter`; stride defaults to the model's compression stride."""
+    """The prompt set for `adapter`; stride defaults to the model's compression stride, the residue modulus (when
+    not given) to 24, or to the stride itself when it does not divide 24 (R = S, as the audit: Llama 4's chunks of
+    16; a multiple such as 48 leaves the training-length record lists no common target depth)."""
     stride = stride or adapter.info.stride or DEFAULT_STRIDE
+    settings.setdefault("residue_modulus", stride if DEFAULT_RESIDUES % stride else DEFAULT_RESIDUES)
     eval_set = build_eval_set(vocab, protocol, stride=stride, **settings)
     adapter.check_length(eval_set.prompt_length)
     return eval_set

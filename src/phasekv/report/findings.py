@@ -29,6 +29,8 @@ The claims (thresholds are the paper's numbers or phasekv's stated verdict const
 * orderings: gap(W8/S4) < gap(W8/S8), gap(W12/S12) < gap(W8/S8) (63 < 75), mean(uniform) < mean(learned gates),
   mean(full, more KV heads) > mean(full, 1 KV) (61.1 > 18.8); covered phases (Wilson interval above 40%) grow with
   compressor heads;
+* Llama 4's chunked attention (chunks of C, `archs.llama4`) is phase sensitive at period C: the rule of every
+  transformers model with a grid, its claim worded "is" / "is not" by its status;
 * gate cycling: R^2 >= 0.66 excluding the boundary phase for >= 4 of 6 shifts (paper 0.66-1.00), on per-offset
   payload maps (the paper's kernel) and on shared payloads alike.
 """
@@ -180,8 +182,9 @@ def compressed_layer_drop(m: dict[str, Any]) -> float | None:
     """The largest relative accuracy loss (%, negative) of a knockout in one of the model's compressed layers
     (`compressed_layers`), or None when those layers or their knockouts were not measured."""
     layers, knockout = m.get("compressed_layers"), m.get("knockout")
-    rows = [r for r in (knockout or {}).get("rows", []) if layers and r.get("layer") in layers]
-    return min(r["mean_rel_change_pct"] for r in rows) if rows else None
+    drops = [r["mean_rel_change_pct"] for r in (knockout or {}).get("rows", [])
+             if layers and r.get("layer") in layers and r.get("mean_rel_change_pct") is not None]  # None: at zero
+    return min(drops) if drops else None
 
 
 def _transformers_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +202,18 @@ def _transformers_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
     return f
 
 
+CHUNKED = "llama4_chunked_attention"  # `phasekv.archs.llama4`'s grid: chunks of C, aligned at multiples of C
+
+
+def chunked_claim(name: str, m: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's chunked local attention, a fixed grid with no compressor at all, judged by the rule of every
+    transformers model with a grid (`_transformers_claim`): phase sensitive at period C, the chunk size."""
+    f = _transformers_claim(name, m)
+    verb = {"holds": "is", "fails": "is not"}.get(f["status"], "may or may not be")
+    return {**f, "claim": f"{name}: Llama 4's chunked attention {verb} phase sensitive at period C = {m['stride']}",
+            "paper": "no published measurement (a shipped architecture with a fixed chunk grid, no compressor)"}
+
+
 def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every claim: per model (module doc), then the orderings."""
     out: list[dict[str, Any]] = []
@@ -208,7 +223,7 @@ def findings(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             what = "token-level top-k attention" if m.get("token_selection") else "full attention"
             out += [learns(name, p, "full attention 18.8% (1 KV), 61.1% (8 KV)"), flat(name, p, what)]
         elif m.get("family") == "transformers":  # the code users ship: does it show the paper's effect?
-            out.append(_transformers_claim(name, m))
+            out.append((chunked_claim if m["compressor"] == CHUNKED else _transformers_claim)(name, m))
         else:
             if m["stride"] and name not in FIXES:  # a fix aims at NO period: it is judged in the fixes table
                 out.append(periodic(name, m, "every compressed model is periodic with period S (4, 6, 8, 12)"))

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phasekv.conditions.hybrid import softmax_with_sinks
+
 # query rows per block of `chunked_attention`: about this many logits (B * H * rows * keys) at a time
 BLOCK_ELEMENTS = 1 << 22
 
@@ -163,9 +165,10 @@ def _allowed_by_mask(attention_mask: torch.Tensor | None, tk: int) -> torch.Tens
 
 def whole_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, *, geometry: Geometry, scaling: float, hidden: torch.Tensor | None = None,
-                    record: list | None = None) -> torch.Tensor:
+                    record: list | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Selection over any call geometry at once: dense scores, the indexer's pool scores, then torch's fused
-    attention with the selection as a boolean mask -> (B, H, Tq, D).  `record` gets the last query's selection."""
+    attention with the selection as a boolean mask -> (B, H, Tq, D).  `record` gets the last query's selection;
+    `sinks` (H,): GPT-OSS's per-head sink logits (the softmax is then written out)."""
     heads, kv_heads = query.shape[1], key.shape[1]
     k, v = expand_kv(key, heads // kv_heads), expand_kv(value, heads // kv_heads)
     logits = torch.matmul(query * scaling, k.transpose(-1, -2))  # (B, H, Tq, Tk); scaled on the smaller side
@@ -180,6 +183,9 @@ def whole_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.Ten
         last = logits[:, :, -1].masked_fill(~allowed[:, :, -1], float("-inf")).softmax(-1)
         record.append({"selected": selected[:, :, -1], "probs": last, "key_pos": geometry.key_pos,
                        "query_pos": geometry.query_pos[-1], "origins": geometry.origins})
+    if sinks is not None:
+        probs = softmax_with_sinks(logits.masked_fill(~allowed, float("-inf")), sinks)
+        return torch.matmul(probs.to(v.dtype), v)
     del logits  # the fused attention recomputes the scores; the (B, H, Tq, Tk) logits go now
     # the local tail keeps every row non-empty
     return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)
@@ -188,9 +194,10 @@ def whole_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.Ten
 def chunked_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, *, attention_mask: torch.Tensor | None, query_pos: torch.Tensor,
                       scaling: float, hidden: torch.Tensor | None = None, record: list | None = None,
-                      origins: torch.Tensor | None = None) -> torch.Tensor:
+                      origins: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Selection for a call whose keys sit at 0 .. Tk - 1 (`in_order`), block by block of queries, each block over
-    the keys up to its last query only -> (B, H, Tq, D); `origins`: a moved grid's (`Geometry.origins`).  A
+    the keys up to its last query only -> (B, H, Tq, D); `origins`: a moved grid's (`Geometry.origins`); `sinks`
+    (H,): GPT-OSS's per-head sink logits.  A
     block's geometry is the whole call's restricted to its rows, so every pool score, candidate and selection is the
     one `whole_attention` computes."""
     # long: one pass over the blocks, each step commented, reads best in one piece
@@ -225,7 +232,7 @@ def chunked_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.T
         allowed = selection_mask(spec, geometry, selected)  # (B or 1, G, n, end), G = 1 or H_kv
         grouped = logits.view(b, kv_heads, groups, n, end)  # a view: the masking below writes into `logits`
         grouped.masked_fill_(~allowed.unsqueeze(2), float("-inf"))
-        probs = logits.softmax(-1, dtype=torch.float32).to(value.dtype)  # the local tail keeps rows non-empty
+        probs = softmax_with_sinks(logits, sinks).to(value.dtype)  # the local tail keeps rows non-empty
         if record is not None and stop == tq:  # the call's last query: its selection and attention
             record.append({"selected": selected[:, :, -1], "probs": probs[:, :, -1], "key_pos": geometry.key_pos,
                            "query_pos": qpos[-1], "origins": origins})
@@ -236,10 +243,10 @@ def chunked_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.T
 
 def reference_attention(spec: Any, indexer: Any, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, *, hidden: torch.Tensor | None = None,
-                        origins: torch.Tensor | None = None) -> torch.Tensor:
+                        origins: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The slow oracle of `selection_attention` for a plain causal call (keys at 0 .. T-1): one query at a time,
     candidates listed by hand (on the grid moved by `origins` (B | 1, G | 1) when given), pools ranked by sorting,
-    softmax over the gathered keys only.  -> (B, Tq, H, D)."""
+    softmax over the gathered keys only (and the head's sink logit, `sinks` (H,), when given).  -> (B, Tq, H, D)."""
     b, heads, tq, d = query.shape
     kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
     out = torch.zeros(b, tq, heads, d, dtype=query.dtype)
@@ -260,6 +267,7 @@ def reference_attention(spec: Any, indexer: Any, module: nn.Module, query: torch
                 ranked = sorted(cands, key=lambda j: (-float(scores[row, g, t, j]), j))[:budget]
                 keys = sorted({s for s in range(t + 1) if s < spec.sink or t - s < spec.local}
                               | {s for j in ranked for s in span[j]})
-                w = torch.softmax(torch.stack([logits[row, h, t, s] for s in keys]), 0)
+                sink = [] if sinks is None else [sinks[h].to(logits.dtype)]
+                w = torch.softmax(torch.stack([logits[row, h, t, s] for s in keys] + sink), 0)
                 out[row, t, h] = sum(w[i] * value[row, h // groups, s] for i, s in enumerate(keys))
     return out

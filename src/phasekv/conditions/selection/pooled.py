@@ -38,6 +38,9 @@ otherwise, and the slow per-query reference).  Key positions come from the call:
 and packed queries over a cache are all covered.  tests/test_selection.py compares the paths with the reference
 and checks that no query ever selects from its future.
 
+Hybrid models: only the full-attention layers select; sliding-window and chunked layers run the model's own
+attention (`conditions.hybrid`), and GPT-OSS's learned sinks enter the selected softmax.
+
 Layout: attention tensors are (B, H, T, D) as in transformers; pool scores are (B, G, Tq, pools) with G = 1
 (shared) or H_kv (kv).
 """
@@ -57,6 +60,7 @@ from torch import nn
 from tqdm import tqdm
 
 from phasekv.adapters.base import Wrapped, spec_fields, whole_number
+from phasekv.conditions.hybrid import attend_left, is_left, release, sink_logits, split_modules
 from phasekv.conditions.selection.kernel import (
     Geometry,
     call_geometry,
@@ -182,7 +186,10 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-function signature: (B, H, Tq, D) queries over (B, H_kv, Tk, D) keys and values
     -> ((B, Tq, H, D) output, None: the probabilities are never materialised) under the module's selection."""
+    if is_left(module):  # a sliding-window or chunked layer of a hybrid model runs as the model runs it
+        return attend_left(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     state = _ACTIVE[id(module)]
+    sinks = sink_logits(kwargs, query.shape[1])
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # a continuation's joined hidden states are used once: let them go (a prefill keeps its own for the cache)
     hidden = state.hidden.pop(id(module), None) if state.context else state.hidden.get(id(module))
@@ -193,11 +200,12 @@ def selection_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         origins = origins.to(query.device)
     if in_order(key_pos):
         out = chunked_attention(state.spec, state.indexer, module, query, key, value, attention_mask=attention_mask,
-                                query_pos=query_pos, scaling=scaling, hidden=hidden, record=record, origins=origins)
+                                query_pos=query_pos, scaling=scaling, hidden=hidden, record=record, origins=origins,
+                                sinks=sinks)
     else:
         geometry = call_geometry(query, key, attention_mask, kwargs.get("position_ids"))
         out = whole_attention(state.spec, state.indexer, module, query, key, value, scaling=scaling, hidden=hidden,
-                              geometry=replace(geometry, origins=origins), record=record)
+                              geometry=replace(geometry, origins=origins), record=record, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -224,13 +232,14 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 @contextlib.contextmanager
 def selecting(model: nn.Module, spec: SelectionSpec, indexer: Any, record: bool = False,
               offsets: torch.Tensor | None = None) -> Iterator[SelectionState]:
-    """While active, every attention layer of `model` runs under `spec` with `indexer` (and, for grid=jitter, the
+    """While active, every full-attention layer of `model` runs under `spec` with `indexer` (and, for grid=jitter, the
     rows' origins `offsets` (B,)); the model's attention implementation, and every hook added here, are restored
     on exit, whatever happens."""
     _register()
     state = SelectionState(spec, indexer, record=record, offsets=offsets)
     configs = {id(c): (c, c._attn_implementation) for c in attention_configs(model)}
-    handles, modules = [], attention_modules(model)
+    every = attention_modules(model)
+    handles, modules = [], split_modules(model, every, next(iter(configs.values()))[1])  # full layers only
     try:
         for module in modules:
             _ACTIVE[id(module)] = state
@@ -242,6 +251,7 @@ def selecting(model: nn.Module, spec: SelectionSpec, indexer: Any, record: bool 
     finally:
         for handle in handles:
             handle.remove()
+        release(every)
         for module in modules:
             _ACTIVE.pop(id(module), None)
         for config, implementation in configs.values():
