@@ -252,7 +252,6 @@ def test_static_and_indexed_cache_layers_are_refused_in_one_line():
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path, monkeypatch, name):
     from phasekv.auditing import pipeline
-
     from phasekv.cli import main
     from tests.helpers import bpe_tokenizer
 
