@@ -25,7 +25,7 @@ from tests.test_metrics import phase_curve, shifted_records
 
 CHANCE, IN_CONTEXT = 1 / 64, 0.04
 SCORES = {"1": 30.0, "2": 25.0, "4": 12.0, "8": 0.0}  # BIC differences: period 8
-NULL = {"period_scores": SCORES, "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
+NULL = {"stride": 8, "residue_modulus": 8, "n_prompts": 1536, "n_clusters": 48, "period_scores": SCORES, "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
         "contrast_crossfit_pp": 20.0}
 # a material effect, every part just inside its boundary; the tests move one number across it
 EDGE = {**NULL, "mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "max_gap_pp": 25.0,
@@ -82,7 +82,8 @@ def test_capability_gate_is_twice_the_in_context_chance():
 def test_a_strong_periodic_curve_is_phase_sensitive_with_its_period():
     m, v = verdict(phase_curve(8, fail=(7,), fail_acc=0.05, ok_acc=0.9))
     assert v["phase_sensitive"] and v["verdict"].startswith("phase sensitive: period 8")
-    assert v["verdict_parts"] == {"can_do_task": True, "phase_dependent": True, "material": True, "period": 8}
+    assert v["verdict_parts"] == {"can_do_task": True, "phase_dependent": True, "material": True, "period": 8,
+                                  "layout_trend": False, "too_small": False}
     assert m["contrast_crossfit_bounds_pp"][0] >= MATERIAL_GAP_PP
     assert f"minimum {MATERIAL_GAP_PP:.0f}" in v["verdict"]
 
@@ -160,11 +161,13 @@ def test_the_period_is_the_best_divisor_above_one():
 
 
 def test_the_minimum_detectable_gap_is_printed_with_every_absence():
-    mde = MATERIAL_GAP_PP + (1.6448536 + 0.8416212) * 4.0  # z_0.95 (one-sided 95% bound) + z_0.80 (power)
+    # the bootstrap's own distance from the estimate to its 5% bound (20 - 2), then z_0.80 sd for the power
+    mde = MATERIAL_GAP_PP + (20.0 - 2.0) + 0.8416212 * 4.0
     assert DETECTION_POWER == 0.80
-    assert minimum_detectable_gap({"contrast_crossfit_se_pp": 4.0}) == pytest.approx(mde, abs=1e-5)
+    assert minimum_detectable_gap({**NULL, "contrast_crossfit_bounds_pp": [2.0, 30.0]}) == pytest.approx(mde, abs=1e-5)
     for changes in ({"flatness_p": 0.5}, {"contrast_crossfit_bounds_pp": [2.0, 9.0], "gap_ci_pp": [3.0, 9.0]},
                     {"contrast_crossfit_bounds_pp": [2.0, 19.0]}):
+        changes = {"contrast_crossfit_bounds_pp": [2.0, 30.0], **changes}
         v = judged(**changes)
         assert not v["phase_sensitive"] and f"finds 80% of the time: {mde:.0f} pp" in v["verdict"]
         assert v["minimum_detectable_gap_pp"] == pytest.approx(mde, abs=1e-5)
