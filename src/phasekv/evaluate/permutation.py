@@ -115,14 +115,21 @@ def nested_period_p(cluster: np.ndarray, phase: np.ndarray, k: np.ndarray, n: np
     """Per proper divisor d > 1 of the stride, the p-value of "the phase curve is its fold mod d" (accuracy at
     phase p equals that at p + d, p + 2 d, ...) against the full curve over the S phases: units' phase labels are
     shuffled only within (cluster, phase mod d), which leaves the mod-d curve unchanged, and the statistic is the
-    chi-square of the S phase groups.  A large p means the period d explains the curve as well as S does."""
+    chi-square of the S phase groups (where every cluster sits at one phase, whole clusters are shuffled within
+    their class mod d instead, as the flatness test swaps label sets between clusters).  A large p means the period d explains the curve as well as S does."""
     cluster, phase = np.asarray(cluster), np.asarray(phase, dtype=np.int64)
+    k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
     _, cluster_idx = np.unique(cluster, return_inverse=True)
+    single = len(np.unique(cluster_idx * stride + phase)) == cluster_idx.max() + 1
+    if single:  # every cluster at one phase (e.g. the query protocol's pairs): whole clusters are the units
+        C = cluster_idx.max() + 1
+        phase = phase[np.unique(cluster_idx, return_index=True)[1]]
+        k, n = np.bincount(cluster_idx, k, C), np.bincount(cluster_idx, n, C)
     out = {}
     for d in range(2, stride):
         if stride % d == 0:
-            out[str(d)] = stratified_test(cluster_idx * d + phase % d, phase, k, n, groups=stride, n_perm=n_perm,
-                                          rng=rng)[0]
+            strata = phase % d if single else cluster_idx * d + phase % d
+            out[str(d)] = stratified_test(strata, phase, k, n, groups=stride, n_perm=n_perm, rng=rng)[0]
     return out
 
 

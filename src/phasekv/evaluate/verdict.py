@@ -47,6 +47,7 @@ from phasekv.evaluate.metrics import (
     summarize,
     wilson_interval,
 )
+from phasekv.evaluate.query_stats import length_verdict, query_phase_summary
 from phasekv.evaluate.sizing import detectable_gap_pp
 
 CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
@@ -65,11 +66,10 @@ def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None,
 
 def too_small(metrics: dict) -> bool:
     """True where the run cannot resolve its own bootstrap: fewer than MIN_CLUSTERS clusters (the cross-fit's halves
-    hold a few clusters each, and resampling them gives a few distinct values), or no spread of the contrast
-    (bounds [x, x], sd 0).  Such a run prints no bounds and no detectable gap of its own."""
-    se, bounds = metrics.get("contrast_crossfit_se_pp"), metrics.get("contrast_crossfit_bounds_pp")
-    degenerate = se is not None and (se <= 0 or bounds is None or bounds[1] - bounds[0] <= 0)
-    return metrics.get("n_clusters", MIN_CLUSTERS) < MIN_CLUSTERS or degenerate
+    hold a few clusters each, and resampling them gives a few distinct values: 2 clusters printed bounds [3.1, 3.1]
+    and a 10 pp detectable gap).  Such a run prints no bounds and no detectable gap of its own, and no material
+    effect."""
+    return metrics.get("n_clusters", MIN_CLUSTERS) < MIN_CLUSTERS
 
 
 def minimum_detectable_gap(metrics: dict) -> float | None:
@@ -201,29 +201,26 @@ def _interval(ci: list[float] | None) -> str:
     return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
 
 
-# The query phase (the query protocol of `phasekv.data.protocols`): the target's position is held fixed and the
-# prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
+# The query phase (the query protocol of `phasekv.data.protocols`): the targets are held fixed and the prompt length
+# varies, so the coordinate under test is the query position (the last prompt token) mod S.
 
 def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
                            in_context_chance: float, *, judge=task_verdict, n_boot: int = 2000,
                            seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict[str, Any]:
-    """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
-    against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's
-    position, the same rules on the other coordinate (its `position_matching` is of the query position); and
-    `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
-
-    The unit is the (cluster, record) pair (`target_pairs`): the protocol shows every pair once at every query
-    residue, a complete block design, so the permutation test shuffles each pair's own shifts (an exact test of
-    "the answers do not depend on the query position", and Cochran's Q is defined), and differences between
-    pairs, which are the same in every group, do not swamp it as they do when whole examples are shuffled."""
+    """`query_phase`: the query-phase statistics (`query_stats.query_phase_summary`: the prompts grouped by the
+    query phase, query position mod S; clusters resampled, whole contexts permuted within their cluster; the length
+    trend and the length step beside them) and `judge`'s verdict (period, gap, material effect, the capability gate
+    against the in-context chance), read by `query_stats.length_verdict` so that a length effect is not called a
+    phase; and `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
+    residue_modulus and within are accepted for the callers' sake: the query phase is grouped mod S, and its unit,
+    the context, is already within a cluster."""
     if any("query_position" not in r or "record" not in r for r in records):
         raise ValueError("records lack the field 'query_position' or 'record' (predictions of "
                          "phasekv.evaluate.runner.predict)")
-    pairs = target_pairs(records)
-    regrouped = {"cluster": [r["cluster"] for r in pairs], "correct": [r["correct"] for r in records],
-                 "target_position": [r["query_position"] for r in records]}
-    query = summarize(regrouped, stride, residue_modulus, n_boot=n_boot, seed=seed, n_perm=n_perm, within=within)
+    del residue_modulus, within
+    query = query_phase_summary(records, stride, n_boot=n_boot, seed=seed, n_perm=n_perm)
     query.update(judge(query, chance, in_context_chance))
+    query.update(length_verdict(query))
     return {"query_phase": query, "cross": cross_phase_table(records, stride)}
 
 
