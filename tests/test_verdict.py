@@ -171,3 +171,62 @@ def test_the_minimum_detectable_gap_is_printed_with_every_absence():
         v = judged(**changes)
         assert not v["phase_sensitive"] and f"finds 80% of the time: {mde:.0f} pp" in v["verdict"]
         assert v["minimum_detectable_gap_pp"] == pytest.approx(mde, abs=1e-5)
+
+
+# ------------------------------------------------------------- periods, small runs, layout trends, Holm (issue 50)
+
+def test_the_period_divides_the_stride_and_s_is_kept_unless_a_divisor_fits():
+    from phasekv.evaluate.verdict import verdict_period
+
+    base = {"stride": 8, "period_scores": {"1": 9.0, "2": 9.0, "4": 9.0, "8": 3.0, "24": 0.0}}
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.01}}) == 8  # both folds rejected
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.05}}) == 4  # mod 4 fits: p >= alpha
+    assert verdict_period({**base, "period_nested_p": {"2": 0.2, "4": 0.3}}) == 2  # the smallest that fits
+    assert verdict_period({**base, "period_nested_p": {"2": 0.049, "4": 0.0499}}) == 8
+    assert verdict_period(base) == 8  # without nested tests: BIC over the divisors of S only, never 24
+
+
+def test_a_residue_pattern_that_does_not_fold_onto_the_phases_is_a_layout_trend():
+    v = judged(residue_modulus=24, phase_flatness_p=0.2)
+    assert not v["phase_sensitive"] and v["verdict"].startswith("no phase effect detected")
+    assert "a layout or length trend over the shifts, not a phase" in v["verdict"] and v["verdict_parts"]["layout_trend"]
+    assert judged(residue_modulus=24, phase_flatness_p=0.049)["phase_sensitive"]
+
+
+def test_too_few_clusters_say_the_run_is_too_small_instead_of_bounds():
+    from phasekv.evaluate.sizing import detectable_gap_pp
+    from phasekv.evaluate.verdict import MIN_CLUSTERS
+
+    assert MIN_CLUSTERS == 8
+    v = judged(n_clusters=7, n_prompts=64, contrast_crossfit_bounds_pp=[30.0, 30.0], contrast_crossfit_se_pp=0.0)
+    assert not v["phase_sensitive"] and v["minimum_detectable_gap_pp"] is None and "bounds [-]" in v["verdict"]
+    assert f"this run is too small: 8 prompts per phase in 7 clusters detect about {detectable_gap_pp(8):.0f} pp" in (
+        v["verdict"])
+    assert judged(n_clusters=8)["phase_sensitive"]
+
+
+def test_holm_adjusts_an_audits_flatness_p_values():
+    from phasekv.evaluate.verdict import holm_adjusted, holm_line
+
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1 = 0.03, 0.06, 0.04 -> monotone 0.03, 0.06, 0.06
+    assert holm_adjusted([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm_adjusted([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    line = holm_line({"none/prefix": 0.01, "kv/prefix": 0.04, "kv/query": 0.03, "skipped": None})
+    assert line == ("family-wise (Holm) over 3 flatness tests: 1 reject at 5%, smallest adjusted p = 0.03 "
+                    "(none/prefix)")
+    assert holm_line({}) == "family-wise (Holm): no flatness tests"
+
+
+def test_the_detectable_gap_helper_and_its_inverse():
+    from phasekv.evaluate.sizing import detectable_gap_pp, prompts_per_phase_for
+
+    assert detectable_gap_pp(192) < detectable_gap_pp(64) < detectable_gap_pp(8)
+    for target in (15.0, 25.0, 40.0):
+        n = prompts_per_phase_for(target)
+        assert detectable_gap_pp(n) <= target < detectable_gap_pp(n - 1)
+    assert prompts_per_phase_for(25.0, multiple=32) % 32 == 0
+    for bad in (10.0, 5, "20"):
+        with pytest.raises(ValueError, match="target_mde_pp"):
+            prompts_per_phase_for(bad)
+    with pytest.raises(ValueError, match="prompts_per_phase"):
+        detectable_gap_pp(0)
