@@ -47,7 +47,7 @@ def test_errors_growing_linearly_with_the_length_are_a_trend_not_a_phase(seed):
 
 @pytest.mark.parametrize("threshold", [LOW + 13, LOW + 16, LOW + 21])
 def test_everything_past_a_length_wrong_is_a_length_effect_not_a_phase(threshold):
-    query = judged(np.where(Q >= threshold, 0.05, 0.9))
+    query = judged(np.where(threshold <= Q, 0.05, 0.9))
     assert no_phase(query), query["verdict"]
     if query["verdict"].startswith("a length effect"):
         assert query["length_step"]["step_at"] == threshold and not query["phase_sensitive"]

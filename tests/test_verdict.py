@@ -25,7 +25,8 @@ from tests.test_metrics import phase_curve, shifted_records
 
 CHANCE, IN_CONTEXT = 1 / 64, 0.04
 SCORES = {"1": 30.0, "2": 25.0, "4": 12.0, "8": 0.0}  # BIC differences: period 8
-NULL = {"stride": 8, "residue_modulus": 8, "n_prompts": 1536, "n_clusters": 48, "period_scores": SCORES, "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
+NULL = {"stride": 8, "residue_modulus": 8, "n_prompts": 1536, "n_clusters": 48, "period_scores": SCORES,
+        "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
         "contrast_crossfit_pp": 20.0}
 # a material effect, every part just inside its boundary; the tests move one number across it
 EDGE = {**NULL, "mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "max_gap_pp": 25.0,
@@ -189,7 +190,8 @@ def test_the_period_divides_the_stride_and_s_is_kept_unless_a_divisor_fits():
 def test_a_residue_pattern_that_does_not_fold_onto_the_phases_is_a_layout_trend():
     v = judged(residue_modulus=24, phase_flatness_p=0.2)
     assert not v["phase_sensitive"] and v["verdict"].startswith("no phase effect detected")
-    assert "a layout or length trend over the shifts, not a phase" in v["verdict"] and v["verdict_parts"]["layout_trend"]
+    assert "a layout or length trend over the shifts, not a phase" in v["verdict"]
+    assert v["verdict_parts"]["layout_trend"]
     assert judged(residue_modulus=24, phase_flatness_p=0.049)["phase_sensitive"]
 
 

@@ -84,7 +84,6 @@ What `summarize` computes, and why:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -158,7 +157,8 @@ def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
 
 
 def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,  # long: the
-              seed: int = 0, n_perm: int = 2000, *, within: bool = True, units: ArrayLike | None = None) -> dict:  # metrics.json schema is one flat
+              seed: int = 0, n_perm: int = 2000, *, within: bool = True,  # metrics.json schema is one flat
+              units: ArrayLike | None = None) -> dict:
     # literal, read at a glance
     """All statistics of one evaluation as a JSON-ready dict of plain Python values (floats to 10 decimals).
 
@@ -254,7 +254,8 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     })
 
 
-def _units(units: ArrayLike, cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray) -> tuple[np.ndarray, ...]:
+def _units(units: ArrayLike, cluster_idx: np.ndarray, residue: np.ndarray,
+           correct: np.ndarray) -> tuple[np.ndarray, ...]:
     """(cluster, residue, correct, prompts) per permutation unit; ValueError where a unit's prompts differ in cluster
     or residue (a unit moves as a whole, so it must have one label)."""
     units = np.asarray(units)

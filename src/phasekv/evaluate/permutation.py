@@ -116,7 +116,8 @@ def nested_period_p(cluster: np.ndarray, phase: np.ndarray, k: np.ndarray, n: np
     phase p equals that at p + d, p + 2 d, ...) against the full curve over the S phases: units' phase labels are
     shuffled only within (cluster, phase mod d), which leaves the mod-d curve unchanged, and the statistic is the
     chi-square of the S phase groups (where every cluster sits at one phase, whole clusters are shuffled within
-    their class mod d instead, as the flatness test swaps label sets between clusters).  A large p means the period d explains the curve as well as S does."""
+    their class mod d instead, as the flatness test swaps label sets between clusters).  A large p means the
+    period d explains the curve as well as S does."""
     cluster, phase = np.asarray(cluster), np.asarray(phase, dtype=np.int64)
     k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
     _, cluster_idx = np.unique(cluster, return_inverse=True)

@@ -44,7 +44,6 @@ from phasekv.evaluate.metrics import (
     _group_counts,
     _rounded,
     detect_period,
-    summarize,
     wilson_interval,
 )
 from phasekv.evaluate.query_stats import length_verdict, query_phase_summary
