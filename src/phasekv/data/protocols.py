@@ -287,13 +287,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
         raise ValueError(f"targets_per_context: must be a positive multiple of R / gcd(record pitch {pitch}, R) = "
                          f"{classes}, got {targets_per_context!r}")
     t = targets_per_context // classes
-    if n_clusters is None:
-        n_clusters = g * exact // math.gcd(exact, t)
-        if protocol == "query":  # every length offset 0..S-1 in every family: the crossed design
-            n_clusters = math.lcm(n_clusters, g * stride)
-    if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
-        raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
-                         f"got {n_clusters!r}")
+    n_clusters = _cluster_count(n_clusters, protocol=protocol, g=g, exact=exact, t=t, stride=stride, pitch=pitch)
     if targets_per_context + n_demos > n_records:
         raise ValueError(f"n_records: {n_records} records cannot hold {targets_per_context} targets and "
                          f"{n_demos} demonstrations of other records")
@@ -310,8 +304,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
-    if protocol == "query":  # every family holds every length offset equally often (module doc)
-        settings["crossed"] = (n_clusters // g) % stride == 0
+    settings.update({"crossed": (n_clusters // g) % stride == 0} if protocol == "query" else {})  # module doc
     # the design checks the local window with the target moved R - 1 and the query fixed; the query protocol moves
     # the target by e <= S - 1 and the query by -(R - 1 - s) - (S - 1 - e): the same check at Q - 2 (S - 1)
     targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
@@ -325,6 +318,20 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
     contexts = [ctx for c, target_records in enumerate(targets)
                 for ctx in _cluster_contexts(vocab, geo, c, target_records)]
     return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings=settings)
+
+
+def _cluster_count(n_clusters: int | None, *, protocol: str, g: int, exact: int, t: int, stride: int,
+                   pitch: int) -> int:
+    """n_clusters, checked (a positive multiple of g); by default the smallest count with exact matching, and under
+    the query protocol also every length offset 0..S-1 in every family (the crossed design)."""
+    if n_clusters is None:
+        n_clusters = g * exact // math.gcd(exact, t)
+        if protocol == "query":
+            n_clusters = math.lcm(n_clusters, g * stride)
+    if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
+        raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
+                         f"got {n_clusters!r}")
+    return n_clusters
 
 
 class _Geometry(NamedTuple):

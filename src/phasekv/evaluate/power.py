@@ -8,14 +8,14 @@ probability
     u ~ N(0, example_sd^2), v ~ N(0, pair_sd^2), w ~ N(0, context_sd^2) (a context: one cluster at one shift),
 
 a(phase, x) = base at every phase except the affected ones, where it is base - gap, minus a trend of `trend_pp` over
-x (`TRENDS`: linear, U, step; x is the shift for the padding protocols and the added length, query position minus
-the shortest, for the query protocol, scaled to [0, 1]): the accuracies averaged over the random effects
-(`conditional_logit` finds the logit that gives them), so "60% with one phase 30 pp lower" is what a user would
-measure on endless prompts.  The
-phase is the target position's mod S for the padding protocols and the query position's for the query protocol,
-the coordinate each protocol tests.  Every replicate is judged by phasekv's own functions: `summarize` and
-`task_verdict` (the padding protocols), `query_phase_statistics` (the query protocol; its query-phase verdict), so
-the rates are those of the verdict users get, not of a model of it.  `within=False` skips the one statistic no
+x, centred on the base (`TRENDS`: linear, U, step, each running from 0 to 1, minus 0.5; x is the shift for the
+padding protocols and the added length, query position minus the shortest, for the query protocol, scaled to
+[0, 1]): the accuracies averaged over the random effects (`conditional_logit` finds the logit that gives them), so
+"60% with one phase 30 pp lower" is what a user would measure on endless prompts.  The phase is the target
+position's mod S for the padding protocols and the query position's for the query protocol, the coordinate each
+protocol tests.  Every replicate is judged by phasekv's own functions: `summarize` and `task_verdict` (the padding
+protocols), `query_phase_statistics` (the query protocol; its query-phase verdict), so the rates are those of the
+verdict users get, not of a model of it.  `within=False` skips the one statistic no
 verdict reads (the within-example test).
 
 Designs (`DESIGNS`): the audit's default (`phasekv audit`: 8 phases, R = S = 8, 24 records, 4 demonstrations, the
@@ -140,7 +140,7 @@ def simulate(design: Design, effect: Effect, replicates: int, rng: np.random.Gen
     acc[np.isin(coordinate % design.stride, effect.phases)] -= effect.gap_pp / 100
     if effect.trend and effect.trend_pp:
         x = (lay["query_position"] - lay["query_position"].min()) if query else lay["shift"]
-        acc = acc - effect.trend_pp / 100 * TRENDS[effect.trend](x / max(1, x.max()))
+        acc = acc - effect.trend_pp / 100 * (TRENDS[effect.trend](x / max(1, x.max())) - 0.5)  # centred on base
     if np.any(acc <= 0):
         raise ValueError(f"effect: {effect.name} leaves no positive accuracy at base {base}")
     values, index = np.unique(acc, return_inverse=True)
