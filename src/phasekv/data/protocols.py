@@ -99,7 +99,9 @@ demonstration, which gives its prefix residue gap; the same examples with the fi
 demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/full1kv.md,
 scripts/layout_factors.py).
 
-Local window: every target record ends at or before query_position - local_window at every shift
+Local window (the query protocol's target moves by e <= S - 1 and its query by -(R - 1 - s) - (S - 1 - e), so the
+design checks the window as for padding, target moved R - 1 and query fixed, at Q - 2 (S - 1)): every target record
+ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
 leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
 """
@@ -305,10 +307,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
     settings.update({"crossed": (n_clusters // g) % stride == 0} if protocol == "query" else {})  # module doc
-    # the design checks the local window with the target moved R - 1 and the query fixed; the query protocol moves
-    # the target by e <= S - 1 and the query by -(R - 1 - s) - (S - 1 - e): the same check at Q - 2 (S - 1)
     targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
-                              n_clusters=n_clusters, t=t, query_position=query_position - 2 * offsets,
+                              n_clusters=n_clusters, t=t, query_position=query_position - 2 * offsets,  # module doc
                               local_window=local_window,
                               rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
     geo = _Geometry(protocol=protocol, R=R, stride=stride, g=g, gap=gap, pitch=pitch, rec=rec, lead=lead, header=header,
