@@ -232,3 +232,12 @@ def test_the_detectable_gap_helper_and_its_inverse():
             prompts_per_phase_for(bad)
     with pytest.raises(ValueError, match="prompts_per_phase"):
         detectable_gap_pp(0)
+
+
+def test_the_detectable_gap_allows_for_the_skew_an_effect_gives_the_bootstrap():
+    from phasekv.evaluate.sizing import BOUND_SD
+
+    assert BOUND_SD == 2.1
+    # a flat run's bootstrap: the bound only 1 sd below the estimate; the gap still allows 2.1 sd of skew
+    got = minimum_detectable_gap({**NULL, "contrast_crossfit_pp": 4.0, "contrast_crossfit_bounds_pp": [0.0, 9.0]})
+    assert got == pytest.approx(MATERIAL_GAP_PP + 2.1 * 4.0 + 0.8416212 * 4.0, abs=1e-5)

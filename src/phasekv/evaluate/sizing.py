@@ -22,7 +22,7 @@ from scipy.stats import norm
 
 MATERIAL_GAP_PP = 10.0  # the material rule's minimum (the same constant as phasekv.evaluate.verdict's)
 CONTRAST_SD_UNIT_PP = 81.0  # sd of the phase contrast x sqrt(prompts per phase) at the detectable gap, simulated
-BOUND_SD = 2.0  # (estimate - 5th bootstrap percentile) / sd of the contrast, simulated (module doc)
+BOUND_SD = 2.1  # (estimate - 5th bootstrap percentile) / sd of the contrast, simulated (module doc)
 POWER = 0.80
 
 

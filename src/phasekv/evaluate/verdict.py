@@ -47,7 +47,7 @@ from phasekv.evaluate.metrics import (
     wilson_interval,
 )
 from phasekv.evaluate.query_stats import length_verdict, query_phase_summary
-from phasekv.evaluate.sizing import detectable_gap_pp
+from phasekv.evaluate.sizing import BOUND_SD, detectable_gap_pp
 
 CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
 FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
@@ -74,15 +74,16 @@ def too_small(metrics: dict) -> bool:
 def minimum_detectable_gap(metrics: dict) -> float | None:
     """The contrast (pp) this run's design would call material with probability DETECTION_POWER, from its own
     bootstrap: MATERIAL_GAP_PP + (estimate - one-sided 95% lower bound) + z_0.80 x sd of the cross-fitted contrast.
-    The bound's distance from the estimate is the bootstrap's own (it is left-skewed: about 2 sd, not the normal
-    1.645), so a true gap of this size clears MATERIAL_GAP_PP about DETECTION_POWER of the time (simulated in
-    benchmarks/verdict_power.py).  None without a bootstrap of the contrast or where `too_small`."""
+    The bound's distance from the estimate is the bootstrap's own, but at least `sizing.BOUND_SD` sd: under an
+    effect the bootstrap is left-skewed (a split that picks a wrong phase measures ~0), the bound ~2 sd below the
+    estimate, not the normal 1.645, and a flat run cannot see that skew in its own bootstrap; with it a true gap of
+    this size clears MATERIAL_GAP_PP about DETECTION_POWER of the time (simulated: docs/power.md).  None without a bootstrap of the contrast or where `too_small`."""
     if too_small(metrics) or metrics.get("contrast_crossfit_se_pp") is None:
         return None
     se, bounds, dip = (metrics["contrast_crossfit_se_pp"], metrics["contrast_crossfit_bounds_pp"],
                        metrics.get("contrast_crossfit_pp"))
     z_bound = norm.ppf(1 - CONTRAST_BOUND_PERCENTILES[0] / 100)
-    spread = z_bound * se if dip is None else max(dip - bounds[0], 0.0)
+    spread = max(z_bound * se if dip is None else dip - bounds[0], BOUND_SD * se)
     return float(MATERIAL_GAP_PP + spread + norm.ppf(DETECTION_POWER) * se)
 
 
