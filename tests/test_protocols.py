@@ -281,3 +281,16 @@ def test_prefix_balances_post_fillers_per_group_but_ties_them_to_the_residue_wit
     assert len({(len(g), sum(g)) for g in by_group.values()}) == 1  # equal sizes and sums: equal means, exactly
     assert all(max(v) - min(v) in (0, 24) for v in by_record_residue.values())
     assert len({frozenset(v) for (i, _), v in by_record_residue.items() if i == 31}) > 1  # it varies with r
+
+
+def test_a_query_design_with_r_equal_to_s_spans_three_stride_cycles(vocab):
+    """Where the shifts alone span fewer than three cycles (the audit's R = S), the length offsets run over 3 S:
+    the lengths span R + 3 S - 1 tokens, still crossed (48 clusters: 24 per family) and with equal mean lengths."""
+    s = build_eval_set(vocab, "query", n_records=24, n_demos=4, stride=8, residue_modulus=8, n_clusters=48)
+    assert s.settings["length_offsets"] == 24 and s.settings["crossed"]
+    lengths = {q.query_position for q in s.queries()}
+    assert max(lengths) - min(lengths) + 1 == 8 + 24 - 1
+    by_query = s.matching_stats(8, coordinate="query")
+    assert len({g["mean_query_position"] for g in by_query["per_group"]}) == 1
+    cells = Counter((q.query_position % 8, q.shift) for q in s.queries())
+    assert len(cells) == 64 and len(set(cells.values())) == 1

@@ -20,7 +20,8 @@ same length, so the query position is fixed; positions count every token, <bos> 
                shift, so the distractors around a target move relative to it.  Targets of one
                context keep their mutual offsets.
 * query:       the query-phase protocol, crossed with the shift: <bos> (f + e fillers) records (g - 1 - f + s
-               fillers) demos target.  e = (c // g) mod S is the cluster's length offset (`query_length_offset`),
+               fillers) demos target.  e = (c // g) mod E is the cluster's length offset (`query_length_offset`; E = S
+               where R >= 3 S, else 3 S, `offset_count`),
                s the shift after the records; the query position is Q0 + e + s (Q0: the shortest prompt's), so a
                context's query phase is (Q0 + e + s) mod S.  Every target keeps its position at every shift.
                Prompt lengths differ, so `prompt_length` is the longest.
@@ -55,17 +56,17 @@ Phase groups (mod S, S | R) pool R / S residue groups of equal size, mean and va
 match as well.  `EvalSet.matching_stats()` measures both with exact integer arithmetic.
 
 The query protocol, grouped by the query phase (query position mod S).  A query-phase group is not one shift:
-cluster c shows its records after e_c extra fillers, and with e running through 0..S-1 in every family
-(`settings["crossed"]`: n_clusters / g a multiple of S; the default) the algebra above, with e in the role of the
+cluster c shows its records after e_c extra fillers, and with e running through 0..E-1 in every family
+(`settings["crossed"]`: n_clusters / g a multiple of E; the default) the algebra above, with e in the role of the
 base residue and s of the shift, gives for every phase group p: (a) every shift s, hence every count of fillers
-after the records and every target-to-query distance, exactly n_clusters / S times (the contexts of shift s whose
-offset is = p - Q0 - s mod S); (b) every (cluster, target) pair R / S times, at the same target position;
-(c) the same mean prompt length, Q0 + (S - 1) + (R - S) / 2 (for each e, the shifts = p - Q0 - e mod S have mean
-(p - Q0 - e mod S) + (R - S) / 2, and e + (c - e mod S) averages to S - 1 over e).  So any effect of the shift
-(depth, fillers after the records, a layout trend) is the same in every phase group, and a linear trend in the
-prompt length cancels exactly; what the protocol cannot cancel is a sharp change with the length (a threshold
-inside the R + S - 1 lengths shown), which `phasekv.evaluate.query_stats` reports as a length effect.  The lengths
-span (R + S - 1) / S cycles of the stride: R >= 3 S separates a trend from a period.  Grouped by the target
+after the records, exactly n_clusters / S times (the contexts of shift s whose offset is = p - Q0 - s mod S);
+(b) every (cluster, target) pair R / S times, at the same target position; (c) the same mean prompt length,
+Q0 + (E - 1) / 2 + (R - 1) / 2 (e mod S is uniform, and within each residue class the offsets and the shifts are
+evenly spaced).  So any effect of the shift (depth, fillers after the records, a layout trend) is the same in
+every phase group, and a linear trend in the prompt length cancels exactly; what the protocol cannot cancel is a
+sharp change with the length (a threshold inside the R + E - 1 lengths shown), which
+`phasekv.evaluate.query_stats` reports as a length effect.  The lengths span (R + E - 1) / S cycles of the
+stride, at least three (E = 3 S where R < 3 S): enough to tell a trend from a period. Grouped by the target
 position mod R (the source phase) the groups hold each pair at every shift, the pair moved by its cluster's e,
 so they are matched only approximately and hold different pairs (the evaluation takes the pair, not the cluster,
 as the unit of the source-phase statistics, `verdict.target_pairs`): the padding protocols remain the test of
@@ -99,8 +100,8 @@ demonstration, which gives its prefix residue gap; the same examples with the fi
 demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/full1kv.md,
 scripts/layout_factors.py).
 
-Local window (the query protocol's target moves by e <= S - 1 and its query by -(R - 1 - s) - (S - 1 - e), so the
-design checks the window as for padding, target moved R - 1 and query fixed, at Q - 2 (S - 1)): every target record
+Local window (the query protocol's target moves by e <= E - 1 and its query by -(R - 1 - s) - (E - 1 - e), so the
+design checks the window as for padding, target moved R - 1 and query fixed, at Q - 2 (E - 1)): every target record
 ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
 leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
@@ -289,7 +290,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
         raise ValueError(f"targets_per_context: must be a positive multiple of R / gcd(record pitch {pitch}, R) = "
                          f"{classes}, got {targets_per_context!r}")
     t = targets_per_context // classes
-    n_clusters = _cluster_count(n_clusters, protocol=protocol, g=g, exact=exact, t=t, stride=stride, pitch=pitch)
+    E = offset_count(R, stride) if protocol == "query" else 1  # the query protocol's length offsets 0..E-1
+    n_clusters = _cluster_count(n_clusters, protocol=protocol, g=g, exact=exact, t=t, pitch=pitch, offsets=E)
     if targets_per_context + n_demos > n_records:
         raise ValueError(f"n_records: {n_records} records cannot hold {targets_per_context} targets and "
                          f"{n_demos} demonstrations of other records")
@@ -297,7 +299,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
         raise ValueError(f"n_records: {n_records} distinct keys needed, the vocabulary has "
                          f"{len(vocab.group('keys'))} key words")
 
-    offsets = stride - 1 if protocol == "query" else 0  # the query protocol's length offsets e = 0..S-1
+    offsets = E - 1
     fillers_total = (g - 1) + (R - 1) + gap * n_records + offsets
     query_position = (lead + fillers_total + len(tail) + rec * (n_records + n_demos) + spacer * n_records
                       + key_tokens - 1)
@@ -306,11 +308,10 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
-    settings.update({"crossed": (n_clusters // g) % stride == 0} if protocol == "query" else {})  # module doc
+    settings.update({"crossed": (n_clusters // g) % E == 0, "length_offsets": E} if protocol == "query" else {})
     targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
                               n_clusters=n_clusters, t=t, query_position=query_position - 2 * offsets,  # module doc
-                              local_window=local_window,
-                              rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
+                              local_window=local_window, rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
     geo = _Geometry(protocol=protocol, R=R, stride=stride, g=g, gap=gap, pitch=pitch, rec=rec, lead=lead, header=header,
                     tail=tail, fillers_total=fillers_total, query_position=query_position, local_window=local_window,
                     n_records=n_records, n_demos=n_demos, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
@@ -320,14 +321,14 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
     return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings=settings)
 
 
-def _cluster_count(n_clusters: int | None, *, protocol: str, g: int, exact: int, t: int, stride: int,
+def _cluster_count(n_clusters: int | None, *, protocol: str, g: int, exact: int, t: int, offsets: int,
                    pitch: int) -> int:
     """n_clusters, checked (a positive multiple of g); by default the smallest count with exact matching, and under
-    the query protocol also every length offset 0..S-1 in every family (the crossed design)."""
+    the query protocol also every length offset 0..E-1 in every family (the crossed design)."""
     if n_clusters is None:
         n_clusters = g * exact // math.gcd(exact, t)
         if protocol == "query":
-            n_clusters = math.lcm(n_clusters, g * stride)
+            n_clusters = math.lcm(n_clusters, g * offsets)
     if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
         raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
                          f"got {n_clusters!r}")
@@ -364,7 +365,7 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     shift; the query protocol uses the first g - 1 + s filler words)."""
     contexts = []
     f = c % geo.g
-    e = query_length_offset(c, geo.g, geo.stride) if geo.protocol == "query" else 0
+    e = query_length_offset(c, geo.g, offset_count(geo.R, geo.stride)) if geo.protocol == "query" else 0
     rng = np.random.default_rng([geo.seed, geo.tag, _CLUSTER, c])
     keys, values = sample_records(rng, vocab, geo.n_records, geo.key_tokens, geo.value_tokens)
     others = np.setdiff1d(np.arange(geo.n_records), target_records)
@@ -373,8 +374,8 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     haystack = vocab.haystack(rng, geo.n_records + 1) if geo.spacer else None  # the same prose at every shift
     for s in range(geo.R):
         # the query protocol shortens the prompt by the shifts and offsets still to come
-        query_position = geo.query_position - ((geo.R - 1 - s) + (geo.stride - 1 - e) if geo.protocol == "query"
-                                               else 0)
+        E = offset_count(geo.R, geo.stride)
+        query_position = geo.query_position - ((geo.R - 1 - s) + (E - 1 - e) if geo.protocol == "query" else 0)
         if geo.protocol == "prefix":
             gaps = [f + s] + [0] * (geo.n_records - 1) + [geo.fillers_total - f - s]
         elif geo.protocol == "query":  # e before the records, s after them: g - 1 + e + s fillers in all
@@ -399,11 +400,18 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     return contexts
 
 
-def query_length_offset(cluster: int, families: int, stride: int) -> int:
+def offset_count(residue_modulus: int, stride: int) -> int:
+    """E, the number of the query protocol's length offsets: S where the shifts alone span three stride cycles
+    (R >= 3 S), else 3 S, so that the lengths Q0 + e + s always span at least three cycles (a trend told from a
+    period) and every offset residue mod S occurs equally often."""
+    return stride if residue_modulus >= 3 * stride else 3 * stride
+
+
+def query_length_offset(cluster: int, families: int, offsets: int) -> int:
     """The query protocol's length offset e of a cluster: e fillers before its records at every shift, so its
-    query phase at shift s is (Q0 + e + s) mod S; e = (cluster // families) mod S runs through every residue in
-    every family."""
-    return (cluster // families) % stride
+    query phase at shift s is (Q0 + e + s) mod S; e = (cluster // families) mod E (`offset_count`) runs through
+    every value in every family."""
+    return (cluster // families) % offsets
 
 
 def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_records: int, lead: int,

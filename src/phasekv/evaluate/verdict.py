@@ -77,7 +77,8 @@ def minimum_detectable_gap(metrics: dict) -> float | None:
     The bound's distance from the estimate is the bootstrap's own, but at least `sizing.BOUND_SD` sd: under an
     effect the bootstrap is left-skewed (a split that picks a wrong phase measures ~0), the bound ~2 sd below the
     estimate, not the normal 1.645, and a flat run cannot see that skew in its own bootstrap; with it a true gap of
-    this size clears MATERIAL_GAP_PP about DETECTION_POWER of the time (simulated: docs/power.md).  None without a bootstrap of the contrast or where `too_small`."""
+    this size clears MATERIAL_GAP_PP about DETECTION_POWER of the time (simulated: docs/power.md).  None without a
+    bootstrap of the contrast or where `too_small`."""
     if too_small(metrics) or metrics.get("contrast_crossfit_se_pp") is None:
         return None
     se, bounds, dip = (metrics["contrast_crossfit_se_pp"], metrics["contrast_crossfit_bounds_pp"],
