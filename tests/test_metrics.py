@@ -255,3 +255,74 @@ def test_the_phase_contrast_bounds_are_one_sided_95_percent():
     assert lone["contrast_crossfit_pp"] == pytest.approx(58, abs=8)  # the peak: 60% minus the lower half (2%)
     flat = summarize(shifted_records(np.full(R, 0.6), 48, 3), stride=8, n_boot=400, n_perm=50)
     assert flat["contrast_crossfit_bounds_pp"][0] < 0 < flat["contrast_crossfit_bounds_pp"][1]
+
+
+# --------------------------------------------------- pinned by hand: the contrast, the percentiles, the cross-fit
+
+def test_the_phase_contrast_on_a_fixed_8_group_table_by_hand():
+    from phasekv.evaluate.resampling import _crossfit_gaps
+
+    n = np.full(8, 20.0)
+    acc_a = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.1])
+    acc_b = np.array([0.85, 0.8, 0.65, 0.6, 0.5, 0.45, 0.4, 0.2])
+    # chosen on a (median 0.55: best 0.35 above, worst 0.45 below -> a dip): upper half = groups 0-3, worst = 7,
+    # measured on b: (0.85 + 0.8 + 0.65 + 0.6) / 4 - 0.2 = 0.525; chosen on b (a dip as well), measured on a:
+    # (0.9 + 0.8 + 0.7 + 0.6) / 4 - 0.1 = 0.65.  Average x 100: 58.75.  Best minus worst: (0.65 + 0.8) / 2 = 72.5.
+    gaps = _crossfit_gaps(acc_a * n, n, acc_b * n, n)
+    assert gaps.tolist() == pytest.approx([72.5, 58.75])
+    # a lone strong group (best 0.5 above the median, worst 0.1 below it) is a peak: best minus the lower half
+    peak = np.array([0.9, 0.45, 0.42, 0.41, 0.39, 0.38, 0.35, 0.3])
+    assert _crossfit_gaps(peak * n, n, peak * n, n)[1] == pytest.approx(100 * (0.9 - (0.39 + 0.38 + 0.35 + 0.3) / 4))
+
+
+def test_the_interval_percentiles_and_the_cross_fit_are_pinned():
+    from phasekv.evaluate.resampling import (
+        CI_PERCENTILES,
+        CROSSFIT_SPLITS,
+        _crossfit_estimate,
+        _crossfit_gaps,
+        _percentile_ci,
+    )
+
+    assert CI_PERCENTILES == (2.5, 97.5) and _percentile_ci(np.arange(1001.0)) == [25.0, 975.0]
+    assert CROSSFIT_SPLITS == 20
+
+    class Identity:  # a generator whose splits are the clusters in order, counting the splits
+        calls = 0
+
+        def permutation(self, c):
+            Identity.calls += 1
+            return np.arange(c)
+
+    kc = np.array([[1.0, 2.0], [2.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, 1.0]])
+    nc = np.full(kc.shape, 2.0)
+    got = _crossfit_estimate(kc, nc, Identity())
+    assert Identity.calls == 20  # the point estimate averages 20 splits
+    halves = _crossfit_gaps(kc[:2].sum(0), nc[:2].sum(0), kc[2:].sum(0), nc[2:].sum(0))  # C // 2 and the rest
+    assert got == pytest.approx(halves.tolist())
+    m = summarize(shifted_records(np.full(R, 0.7), 30, 0), stride=8, n_boot=400, n_perm=50)
+    assert m["mean_ci"][0] < m["mean_accuracy"] < m["mean_ci"][1]
+
+
+def test_nested_period_tests_tell_period_4_from_one_phase_of_8():
+    period4 = summarize(shifted_records(phase_curve(4, fail=(3,), fail_acc=0.3, ok_acc=0.8), 60, 0), stride=8,
+                        n_boot=50, n_perm=300)
+    single = summarize(shifted_records(phase_curve(8, fail=(7,), fail_acc=0.3, ok_acc=0.8), 60, 0), stride=8,
+                       n_boot=50, n_perm=300)
+    assert period4["period_nested_p"]["4"] > 0.05 and period4["period_nested_p"]["2"] < 0.01
+    assert single["period_nested_p"]["4"] < 0.01 and single["period_nested_p"]["2"] < 0.01
+    flat = summarize(shifted_records(np.full(R, 0.7), 60, 0), stride=8, n_boot=50, n_perm=300)
+    assert flat["flatness_p"] > 0.05 and flat["period_nested_p"] is None
+
+
+def test_the_phase_flatness_test_ignores_a_pattern_of_period_r():
+    # residues 0-7 low, 8-23 high: every phase holds one low residue of three, so the phases are flat
+    layout = np.where(np.arange(R) < 8, 0.4, 0.9)
+    m = summarize(shifted_records(layout, 60, 0), stride=8, n_boot=50, n_perm=300)
+    assert m["flatness_p"] < 0.01 and m["phase_flatness_p"] > 0.05
+
+
+def test_unit_permutation_needs_one_label_per_unit():
+    recs = shifted_records(np.full(R, 0.7), 4, 0)
+    with pytest.raises(ValueError, match="units"):
+        summarize(recs, stride=8, n_boot=10, n_perm=10, units=np.zeros(len(recs["cluster"]), dtype=int))

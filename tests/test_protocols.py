@@ -5,6 +5,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from phasekv.data import PROTOCOLS, Vocabulary, build_eval_set
+from phasekv.data.protocols import query_length_offset
 
 R = 24
 
@@ -187,19 +188,18 @@ def test_query_protocol_holds_every_target_fixed_and_moves_the_query(query_set):
     positions, shifts = defaultdict(set), defaultdict(list)
     top = query_set.query_position  # the longest prompt's
     for c in query_set.contexts:
+        e = query_length_offset(c.cluster, 2, 8)
         for q in c.queries:
             positions[(q.cluster, q.record)].add(q.target_position)
             shifts[(q.cluster, q.record)].append(q.shift)
-            assert q.query_position == len(c.ids) + len(q.key) - 1 == top - (R - 1) + q.shift
+            assert q.query_position == len(c.ids) + len(q.key) - 1 == top - (R - 1) - (8 - 1) + e + q.shift
             assert q.residue == q.target_position % R and q.phase == q.target_position % 8
             assert q.target_position + 1 <= q.query_position - query_set.local_window  # outside at every shift
     assert len(positions) == 576 and all(len(p) == 1 for p in positions.values())  # fixed target, every shift
     assert all(sorted(s) == list(range(R)) for s in shifts.values())
-    by_residue = Counter(q.query_position % R for q in query_set.queries())
-    assert by_residue == dict.fromkeys(range(R), 576)  # every query residue equally often
     assert Counter(q.query_position % 8 for q in query_set.queries()) == dict.fromkeys(range(8), 576 * 3)
-    assert Counter(q.target_position % R for q in query_set.queries()) == dict.fromkeys(range(R), 576)
-    assert query_set.prompt_length == build_eval_set(query_set.vocab, "prefix", n_records=32, stride=8).prompt_length
+    prefix = build_eval_set(query_set.vocab, "prefix", n_records=32, stride=8).prompt_length
+    assert query_set.prompt_length == prefix + 8 - 1  # the offsets e <= S - 1 add to the longest prompt
 
 
 def test_query_shifts_insert_one_filler_between_the_records_and_the_demonstrations(query_set, vocab):
@@ -220,17 +220,33 @@ def test_query_shifts_insert_one_filler_between_the_records_and_the_demonstratio
             assert shown[s].demo_records == shown[s + 1].demo_records
 
 
-def test_query_groups_hold_the_same_targets_and_source_groups_equal_means(query_set):
-    by_query = query_set.matching_stats(coordinate="query")
-    assert by_query["max_mean_gap"] == 0.0 and by_query["max_variance_rel_gap"] == 0.0  # identical targets
-    low = query_set.query_position - (R - 1)
-    assert [g["mean_query_position"] for g in by_query["per_group"]] == [
-        float(low + (r - low) % R) for r in range(R)]  # group r: the one shift whose query position is = r
-    for S in (4, 8, 24):
-        assert query_set.matching_stats(S)["max_mean_gap"] == 0.0  # source groups: equal class sums
+def test_every_query_phase_holds_every_shift_and_offset_equally_often(query_set):
+    """The crossed design: a query-phase group is not one shift.  Every (query phase, shift) and every (query phase,
+    length offset) cell holds the same number of prompts, so any effect of the shift (depth, fillers after the
+    records) is the same in every phase group."""
+    queries = query_set.queries()
+    assert query_set.settings["crossed"] and query_set.settings["n_clusters"] == 48
+    by_shift = Counter((q.query_position % 8, q.shift) for q in queries)
+    assert len(by_shift) == 8 * R and set(by_shift.values()) == {len(queries) // (8 * R)}
+    by_offset = Counter((q.query_position % 8, query_length_offset(q.cluster, 2, 8)) for q in queries)
+    assert len(by_offset) == 64 and set(by_offset.values()) == {len(queries) // 64}
+
+
+def test_query_phase_groups_have_equal_mean_length_and_the_same_targets(query_set):
+    by_query = query_set.matching_stats(8, coordinate="query")
+    assert by_query["max_mean_gap"] == 0.0  # the same targets at the same positions in every phase group
+    means = {g["mean_query_position"] for g in by_query["per_group"]}
+    low = query_set.query_position - (R - 1) - (8 - 1)
+    assert means == {low + (8 - 1) + (R - 8) / 2}  # a linear length trend cancels exactly (protocols docstring)
     assert query_set.settings["exact_matching"] and query_set.settings["insequence_gap"] == 0
     with pytest.raises(ValueError, match="coordinate"):
         query_set.matching_stats(coordinate="answer")
+
+
+def test_too_few_clusters_for_the_crossing_are_flagged(vocab):
+    s = build_eval_set(vocab, "query", n_records=32, n_demos=8, stride=8, n_clusters=6)
+    assert not s.settings["crossed"]
+    assert build_eval_set(vocab, "prefix", n_records=32, stride=8).settings.get("crossed") is None
 
 
 def test_query_protocol_with_needle_pitch_and_few_clusters(vocab):
@@ -265,3 +281,16 @@ def test_prefix_balances_post_fillers_per_group_but_ties_them_to_the_residue_wit
     assert len({(len(g), sum(g)) for g in by_group.values()}) == 1  # equal sizes and sums: equal means, exactly
     assert all(max(v) - min(v) in (0, 24) for v in by_record_residue.values())
     assert len({frozenset(v) for (i, _), v in by_record_residue.items() if i == 31}) > 1  # it varies with r
+
+
+def test_a_query_design_with_r_equal_to_s_spans_three_stride_cycles(vocab):
+    """Where the shifts alone span fewer than three cycles (the audit's R = S), the length offsets run over 3 S:
+    the lengths span R + 3 S - 1 tokens, still crossed (48 clusters: 24 per family) and with equal mean lengths."""
+    s = build_eval_set(vocab, "query", n_records=24, n_demos=4, stride=8, residue_modulus=8, n_clusters=48)
+    assert s.settings["length_offsets"] == 24 and s.settings["crossed"]
+    lengths = {q.query_position for q in s.queries()}
+    assert max(lengths) - min(lengths) + 1 == 8 + 24 - 1
+    by_query = s.matching_stats(8, coordinate="query")
+    assert len({g["mean_query_position"] for g in by_query["per_group"]}) == 1
+    cells = Counter((q.query_position % 8, q.shift) for q in s.queries())
+    assert len(cells) == 64 and len(set(cells.values())) == 1

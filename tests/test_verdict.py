@@ -25,7 +25,8 @@ from tests.test_metrics import phase_curve, shifted_records
 
 CHANCE, IN_CONTEXT = 1 / 64, 0.04
 SCORES = {"1": 30.0, "2": 25.0, "4": 12.0, "8": 0.0}  # BIC differences: period 8
-NULL = {"period_scores": SCORES, "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
+NULL = {"stride": 8, "residue_modulus": 8, "n_prompts": 1536, "n_clusters": 48, "period_scores": SCORES,
+        "gap_ci_pp": [15.0, 30.0], "contrast_crossfit_se_pp": 4.0, "null_gap_p95_pp": 8.0,
         "contrast_crossfit_pp": 20.0}
 # a material effect, every part just inside its boundary; the tests move one number across it
 EDGE = {**NULL, "mean_accuracy": 0.5, "mean_ci": [0.45, 0.55], "flatness_p": 0.001, "max_gap_pp": 25.0,
@@ -82,7 +83,8 @@ def test_capability_gate_is_twice_the_in_context_chance():
 def test_a_strong_periodic_curve_is_phase_sensitive_with_its_period():
     m, v = verdict(phase_curve(8, fail=(7,), fail_acc=0.05, ok_acc=0.9))
     assert v["phase_sensitive"] and v["verdict"].startswith("phase sensitive: period 8")
-    assert v["verdict_parts"] == {"can_do_task": True, "phase_dependent": True, "material": True, "period": 8}
+    assert v["verdict_parts"] == {"can_do_task": True, "phase_dependent": True, "material": True, "period": 8,
+                                  "layout_trend": False, "too_small": False}
     assert m["contrast_crossfit_bounds_pp"][0] >= MATERIAL_GAP_PP
     assert f"minimum {MATERIAL_GAP_PP:.0f}" in v["verdict"]
 
@@ -160,11 +162,82 @@ def test_the_period_is_the_best_divisor_above_one():
 
 
 def test_the_minimum_detectable_gap_is_printed_with_every_absence():
-    mde = MATERIAL_GAP_PP + (1.6448536 + 0.8416212) * 4.0  # z_0.95 (one-sided 95% bound) + z_0.80 (power)
+    # the bootstrap's own distance from the estimate to its 5% bound (20 - 2), then z_0.80 sd for the power
+    mde = MATERIAL_GAP_PP + (20.0 - 2.0) + 0.8416212 * 4.0
     assert DETECTION_POWER == 0.80
-    assert minimum_detectable_gap({"contrast_crossfit_se_pp": 4.0}) == pytest.approx(mde, abs=1e-5)
+    assert minimum_detectable_gap({**NULL, "contrast_crossfit_bounds_pp": [2.0, 30.0]}) == pytest.approx(mde, abs=1e-5)
     for changes in ({"flatness_p": 0.5}, {"contrast_crossfit_bounds_pp": [2.0, 9.0], "gap_ci_pp": [3.0, 9.0]},
                     {"contrast_crossfit_bounds_pp": [2.0, 19.0]}):
+        changes = {"contrast_crossfit_bounds_pp": [2.0, 30.0], **changes}
         v = judged(**changes)
         assert not v["phase_sensitive"] and f"finds 80% of the time: {mde:.0f} pp" in v["verdict"]
         assert v["minimum_detectable_gap_pp"] == pytest.approx(mde, abs=1e-5)
+
+
+# ------------------------------------------------------------- periods, small runs, layout trends, Holm (issue 50)
+
+def test_the_period_divides_the_stride_and_s_is_kept_unless_a_divisor_fits():
+    from phasekv.evaluate.verdict import verdict_period
+
+    base = {"stride": 8, "period_scores": {"1": 9.0, "2": 9.0, "4": 9.0, "8": 3.0, "24": 0.0}}
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.01}}) == 8  # both folds rejected
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.05}}) == 4  # mod 4 fits: p >= alpha
+    assert verdict_period({**base, "period_nested_p": {"2": 0.2, "4": 0.3}}) == 2  # the smallest that fits
+    assert verdict_period({**base, "period_nested_p": {"2": 0.049, "4": 0.0499}}) == 8
+    assert verdict_period(base) == 8  # without nested tests: BIC over the divisors of S only, never 24
+
+
+def test_a_residue_pattern_that_does_not_fold_onto_the_phases_is_a_layout_trend():
+    v = judged(residue_modulus=24, phase_flatness_p=0.2)
+    assert not v["phase_sensitive"] and v["verdict"].startswith("no phase effect detected")
+    assert "a layout or length trend over the shifts, not a phase" in v["verdict"]
+    assert v["verdict_parts"]["layout_trend"]
+    assert judged(residue_modulus=24, phase_flatness_p=0.049)["phase_sensitive"]
+
+
+def test_too_few_clusters_say_the_run_is_too_small_instead_of_bounds():
+    from phasekv.evaluate.sizing import detectable_gap_pp
+    from phasekv.evaluate.verdict import MIN_CLUSTERS
+
+    assert MIN_CLUSTERS == 8
+    v = judged(n_clusters=7, n_prompts=64, contrast_crossfit_bounds_pp=[30.0, 30.0], contrast_crossfit_se_pp=0.0)
+    assert not v["phase_sensitive"] and v["minimum_detectable_gap_pp"] is None and "bounds [-]" in v["verdict"]
+    assert f"this run is too small: 8 prompts per phase in 7 clusters detect about {detectable_gap_pp(8):.0f} pp" in (
+        v["verdict"])
+    assert judged(n_clusters=8)["phase_sensitive"]
+
+
+def test_holm_adjusts_an_audits_flatness_p_values():
+    from phasekv.evaluate.verdict import holm_adjusted, holm_line
+
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1 = 0.03, 0.06, 0.04 -> monotone 0.03, 0.06, 0.06
+    assert holm_adjusted([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm_adjusted([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    line = holm_line({"none/prefix": 0.01, "kv/prefix": 0.04, "kv/query": 0.03, "skipped": None})
+    assert line == ("family-wise (Holm) over 3 flatness tests: 1 reject at 5%, smallest adjusted p = 0.03 "
+                    "(none/prefix)")
+    assert holm_line({}) == "family-wise (Holm): no flatness tests"
+
+
+def test_the_detectable_gap_helper_and_its_inverse():
+    from phasekv.evaluate.sizing import detectable_gap_pp, prompts_per_phase_for
+
+    assert detectable_gap_pp(192) < detectable_gap_pp(64) < detectable_gap_pp(8)
+    for target in (15.0, 25.0, 40.0):
+        n = prompts_per_phase_for(target)
+        assert detectable_gap_pp(n) <= target < detectable_gap_pp(n - 1)
+    assert prompts_per_phase_for(25.0, multiple=32) % 32 == 0
+    for bad in (10.0, 5, "20"):
+        with pytest.raises(ValueError, match="target_mde_pp"):
+            prompts_per_phase_for(bad)
+    with pytest.raises(ValueError, match="prompts_per_phase"):
+        detectable_gap_pp(0)
+
+
+def test_the_detectable_gap_allows_for_the_skew_an_effect_gives_the_bootstrap():
+    from phasekv.evaluate.sizing import BOUND_SD
+
+    assert BOUND_SD == 2.1
+    # a flat run's bootstrap: the bound only 1 sd below the estimate; the gap still allows 2.1 sd of skew
+    got = minimum_detectable_gap({**NULL, "contrast_crossfit_pp": 4.0, "contrast_crossfit_bounds_pp": [0.0, 9.0]})
+    assert got == pytest.approx(MATERIAL_GAP_PP + 2.1 * 4.0 + 0.8416212 * 4.0, abs=1e-5)

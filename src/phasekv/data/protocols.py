@@ -19,12 +19,12 @@ same length, so the query position is fixed; positions count every token, <bos> 
                the last) are dropped uniformly at random into that stretch's gaps, afresh for every
                shift, so the distractors around a target move relative to it.  Targets of one
                context keep their mutual offsets.
-* query:       the query-phase protocol: the records sit where prefix padding puts them at s = 0,
-               <bos> (f fillers) records (g - 1 - f + s fillers) demos target, so the shift goes after the
-               records.  Every target keeps its position (and its source phase) at every shift, while the
-               prompt length, and with it the query position Q - (R - 1) + s (Q: the padding protocols'
-               fixed query position), grows by one token per shift: every query residue mod R exactly once
-               per cluster.  Prompt lengths differ, so `prompt_length` is the longest.
+* query:       the query-phase protocol, crossed with the shift: <bos> (f + e fillers) records (g - 1 - f + s
+               fillers) demos target.  e = (c // g) mod E is the cluster's length offset (`query_length_offset`; E = S
+               where R >= 3 S, else 3 S, `offset_count`),
+               s the shift after the records; the query position is Q0 + e + s (Q0: the shortest prompt's), so a
+               context's query phase is (Q0 + e + s) mod S.  Every target keeps its position at every shift.
+               Prompt lengths differ, so `prompt_length` is the longest.
 The shift s runs over 0..R-1; f in [0, g) is the cluster's family offset (below);
 E = (g - 1) + (R - 1) + gap * N fillers in all (gap = 0 for prefix).  So prefix fillers and outer
 fillers each range over 0..R+g-2: 0..24 for 2-token records, one token beyond the training default
@@ -55,15 +55,22 @@ share a level: with fewer prompts the means stay exactly equal and the variances
 Phase groups (mod S, S | R) pool R / S residue groups of equal size, mean and variance, so they
 match as well.  `EvalSet.matching_stats()` measures both with exact integer arithmetic.
 
-The query protocol, grouped by the query position mod R (the query phase): each group is one shift, so it
-holds every (cluster, target) pair exactly once at the same target position: the target positions of the
-groups are identical, and only the query position, hence the distance from target to query, differs, by
-exactly s tokens (a depth trend of at most R - 1 tokens, linear in s, not periodic).  Grouped by the target
-position mod R (the source phase) its groups hold the K pairs of each base residue, each at R shifts: their
-means are the class means Sigma_rho / K, equal under exact matching (equal class sums); their variances are
-those of each class's bases and are not matched, and the groups hold different pairs (so the evaluation takes the
-pair, not the cluster, as the unit of the source-phase statistics, `verdict.target_pairs`): the padding protocols
-remain the test of the source phase.  `matching_stats(coordinate="query")` gives the first view.
+The query protocol, grouped by the query phase (query position mod S).  A query-phase group is not one shift:
+cluster c shows its records after e_c extra fillers, and with e running through 0..E-1 in every family
+(`settings["crossed"]`: n_clusters / g a multiple of E; the default) the algebra above, with e in the role of the
+base residue and s of the shift, gives for every phase group p: (a) every shift s, hence every count of fillers
+after the records, exactly n_clusters / S times (the contexts of shift s whose offset is = p - Q0 - s mod S);
+(b) every (cluster, target) pair R / S times, at the same target position; (c) the same mean prompt length,
+Q0 + (E - 1) / 2 + (R - 1) / 2 (e mod S is uniform, and within each residue class the offsets and the shifts are
+evenly spaced).  So any effect of the shift (depth, fillers after the records, a layout trend) is the same in
+every phase group, and a linear trend in the prompt length cancels exactly; what the protocol cannot cancel is a
+sharp change with the length (a threshold inside the R + E - 1 lengths shown), which
+`phasekv.evaluate.query_stats` reports as a length effect.  The lengths span (R + E - 1) / S cycles of the
+stride, at least three (E = 3 S where R < 3 S): enough to tell a trend from a period. Grouped by the target
+position mod R (the source phase) the groups hold each pair at every shift, the pair moved by its cluster's e,
+so they are matched only approximately and hold different pairs (the evaluation takes the pair, not the cluster,
+as the unit of the source-phase statistics, `verdict.target_pairs`): the padding protocols remain the test of
+the source phase.  `matching_stats(coordinate="query")` gives the first view.
 
 Realizing the bases.  In the base layout (s = 0) record i starts at 1 + f + w i, w = record length
 (+ gap for insequence).  With g = gcd(w, R) a cluster's bases all have residues = 1 + f (mod g), so
@@ -93,7 +100,9 @@ demonstration, which gives its prefix residue gap; the same examples with the fi
 demonstrations are flat, and so is the network retrained with outer_max = 24 (docs/notes/full1kv.md,
 research/layout_factors.py).
 
-Local window: every target record ends at or before query_position - local_window at every shift
+Local window (the query protocol's target moves by e <= E - 1 and its query by -(R - 1 - s) - (E - 1 - e), so the
+design checks the window as for padding, target moved R - 1 and query fixed, at Q - 2 (E - 1)): every target record
+ends at or before query_position - local_window at every shift
 (`lookup.outside_local_window`); records that would not are never targets, and a configuration that
 leaves too few valid records raises ValueError.  Demonstrations are never a target's record.
 """
@@ -110,6 +119,7 @@ import numpy as np
 
 from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS  # noqa: F401 (PROTOCOLS: re-exported by phasekv.data)
 from phasekv.data.lookup import assemble, filler_tokens, outside_local_window, sample_records, scatter
+from phasekv.data.matching import _class_starts, _design_targets, _exact_class_size
 from phasekv.data.vocab import Vocabulary
 
 _TAG = {"prefix": 10, "insequence": 11, "query": 12}  # RNG stream tags (lookup.py uses 0..2)
@@ -280,10 +290,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
         raise ValueError(f"targets_per_context: must be a positive multiple of R / gcd(record pitch {pitch}, R) = "
                          f"{classes}, got {targets_per_context!r}")
     t = targets_per_context // classes
-    n_clusters = g * exact // math.gcd(exact, t) if n_clusters is None else n_clusters
-    if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
-        raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
-                         f"got {n_clusters!r}")
+    E = offset_count(R, stride) if protocol == "query" else 1  # the query protocol's length offsets 0..E-1
+    n_clusters = _cluster_count(n_clusters, protocol=protocol, g=g, exact=exact, t=t, pitch=pitch, offsets=E)
     if targets_per_context + n_demos > n_records:
         raise ValueError(f"n_records: {n_records} records cannot hold {targets_per_context} targets and "
                          f"{n_demos} demonstrations of other records")
@@ -291,7 +299,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
         raise ValueError(f"n_records: {n_records} distinct keys needed, the vocabulary has "
                          f"{len(vocab.group('keys'))} key words")
 
-    fillers_total = (g - 1) + (R - 1) + gap * n_records
+    offsets = E - 1
+    fillers_total = (g - 1) + (R - 1) + gap * n_records + offsets
     query_position = (lead + fillers_total + len(tail) + rec * (n_records + n_demos) + spacer * n_records
                       + key_tokens - 1)
     settings = {"protocol": protocol, "n_records": n_records, "n_demos": n_demos, "stride": stride,
@@ -299,9 +308,10 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
                 "local_window": local_window, "key_tokens": key_tokens, "value_tokens": value_tokens,
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
+    settings.update({"crossed": (n_clusters // g) % E == 0, "length_offsets": E} if protocol == "query" else {})
     targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
-                              n_clusters=n_clusters, t=t, query_position=query_position, local_window=local_window,
-                              rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
+                              n_clusters=n_clusters, t=t, query_position=query_position - 2 * offsets,  # module doc
+                              local_window=local_window, rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
     geo = _Geometry(protocol=protocol, R=R, stride=stride, g=g, gap=gap, pitch=pitch, rec=rec, lead=lead, header=header,
                     tail=tail, fillers_total=fillers_total, query_position=query_position, local_window=local_window,
                     n_records=n_records, n_demos=n_demos, key_tokens=key_tokens, value_tokens=value_tokens, seed=seed,
@@ -309,6 +319,20 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
     contexts = [ctx for c, target_records in enumerate(targets)
                 for ctx in _cluster_contexts(vocab, geo, c, target_records)]
     return EvalSet(protocol, stride, R, local_window, vocab, contexts, settings=settings)
+
+
+def _cluster_count(n_clusters: int | None, *, protocol: str, g: int, exact: int, t: int, offsets: int,
+                   pitch: int) -> int:
+    """n_clusters, checked (a positive multiple of g); by default the smallest count with exact matching, and under
+    the query protocol also every length offset 0..E-1 in every family (the crossed design)."""
+    if n_clusters is None:
+        n_clusters = g * exact // math.gcd(exact, t)
+        if protocol == "query":
+            n_clusters = math.lcm(n_clusters, g * offsets)
+    if not isinstance(n_clusters, int) or n_clusters < 1 or n_clusters % g:
+        raise ValueError(f"n_clusters: must be a positive multiple of gcd(record pitch {pitch}, R) = {g}, "
+                         f"got {n_clusters!r}")
+    return n_clusters
 
 
 class _Geometry(NamedTuple):
@@ -341,6 +365,7 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     shift; the query protocol uses the first g - 1 + s filler words)."""
     contexts = []
     f = c % geo.g
+    e = query_length_offset(c, geo.g, offset_count(geo.R, geo.stride)) if geo.protocol == "query" else 0
     rng = np.random.default_rng([geo.seed, geo.tag, _CLUSTER, c])
     keys, values = sample_records(rng, vocab, geo.n_records, geo.key_tokens, geo.value_tokens)
     others = np.setdiff1d(np.arange(geo.n_records), target_records)
@@ -348,12 +373,13 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
     fillers = filler_tokens(rng, vocab, geo.fillers_total)  # the same words, in order, at every shift
     haystack = vocab.haystack(rng, geo.n_records + 1) if geo.spacer else None  # the same prose at every shift
     for s in range(geo.R):
-        # the query protocol shortens the prompt by the shifts still to come: R - 1 - s fillers fewer
-        query_position = geo.query_position - (geo.R - 1 - s if geo.protocol == "query" else 0)
+        # the query protocol shortens the prompt by the shifts and offsets still to come
+        E = offset_count(geo.R, geo.stride)
+        query_position = geo.query_position - ((geo.R - 1 - s) + (E - 1 - e) if geo.protocol == "query" else 0)
         if geo.protocol == "prefix":
             gaps = [f + s] + [0] * (geo.n_records - 1) + [geo.fillers_total - f - s]
-        elif geo.protocol == "query":
-            gaps = [f] + [0] * (geo.n_records - 1) + [geo.fillers_total - (geo.R - 1) - f + s]
+        elif geo.protocol == "query":  # e before the records, s after them: g - 1 + e + s fillers in all
+            gaps = [f + e] + [0] * (geo.n_records - 1) + [geo.g - 1 - f + s]
         else:
             gaps = _insequence_gaps(np.random.default_rng([geo.seed, geo.tag, _CONTEXT, c, s]), target_records,
                                     geo.n_records, f + s, geo.gap, geo.fillers_total)
@@ -364,7 +390,7 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
         queries = []
         for i in target_records:
             pos = layout.record_positions[i]
-            placed = pos == geo.lead + f + geo.pitch * i + (0 if geo.protocol == "query" else s)
+            placed = pos == geo.lead + f + geo.pitch * i + (e if geo.protocol == "query" else s)
             if not placed or not outside_local_window(pos + geo.rec - 1, query_position, geo.local_window):
                 raise AssertionError(f"internal: target record {i} of cluster {c} misplaced at {pos}")
             queries.append(Query(key=tuple(keys[i].tolist()), answer=int(values[i][0]), target_position=pos,
@@ -372,6 +398,20 @@ def _cluster_contexts(vocab, geo: _Geometry, c: int, target_records: list[int]) 
                                  protocol=geo.protocol, record=i, query_position=query_position))
         contexts.append(Context(layout.ids, queries, c, s, layout.record_positions, demos))
     return contexts
+
+
+def offset_count(residue_modulus: int, stride: int) -> int:
+    """E, the number of the query protocol's length offsets: S where the shifts alone span three stride cycles
+    (R >= 3 S), else 3 S, so that the lengths Q0 + e + s always span at least three cycles (a trend told from a
+    period) and every offset residue mod S occurs equally often."""
+    return stride if residue_modulus >= 3 * stride else 3 * stride
+
+
+def query_length_offset(cluster: int, families: int, offsets: int) -> int:
+    """The query protocol's length offset e of a cluster: e fillers before its records at every shift, so its
+    query phase at shift s is (Q0 + e + s) mod S; e = (cluster // families) mod E (`offset_count`) runs through
+    every value in every family."""
+    return (cluster // families) % offsets
 
 
 def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_records: int, lead: int,
@@ -384,97 +424,3 @@ def _insequence_gaps(rng: np.random.Generator, target_records: Sequence[int], n_
     for a, b, before, after in zip(bounds, bounds[1:], cumulative, cumulative[1:]):
         gaps[a + 1:b + 1] = scatter(rng, after - before, b - a)
     return gaps.tolist()
-
-
-def _class_starts(R: int, g: int, pitch: int, lead: int = 1) -> tuple[list[int], list[int]]:
-    """Per base residue rho: the first record index i0 whose base lead + f + pitch * i0
-    (f = (rho - lead) mod g) is = rho (mod R), and that base (lead: tokens before the first filler)."""
-    classes = R // g
-    inverse = pow(pitch // g, -1, classes) if classes > 1 else 0
-    first = [((rho - lead - (rho - lead) % g) // g * inverse) % classes for rho in range(R)]
-    return first, [lead + (rho - lead) % g + pitch * first[rho] for rho in range(R)]
-
-
-def _exact_class_size(starts: list[int], step: int) -> int:
-    """Smallest K for which K bases per residue class can have equal class sums: the class sums are
-    K * start (mod step), so K must make every K * (start - start') a multiple of step."""
-    common = 0
-    for start in starts:
-        common = math.gcd(common, start - starts[0])
-    return step // math.gcd(step, common)
-
-
-def _design_targets(R: int, g: int, *, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
-                    n_records: int, n_clusters: int, t: int, query_position: int, local_window: int,
-                    rng: np.random.Generator) -> list[list[int]]:
-    """Target record indices of every cluster, sorted; see the module docstring."""
-    classes = R // g
-    step = pitch * classes  # base distance between records of one residue class: lcm(pitch, R)
-    per_family = n_clusters // g
-    K = per_family * t  # pairs per base residue
-    qmax = []  # per base residue: largest valid q (record first + classes * q)
-    for rho in range(R):
-        q = -1
-        while (first[rho] + classes * (q + 1) < n_records  # a record, outside the window at the largest shift
-               and outside_local_window(starts[rho] + step * (q + 1) + R - 1 + rec - 1, query_position,
-                                        local_window)):
-            q += 1
-        if q + 1 < t:
-            raise ValueError(f"n_records: too few records for {t * classes} targets per context outside the "
-                             f"local window (residue {rho} has {q + 1} valid records per cluster, needs {t})")
-        qmax.append(q)
-
-    half = Fraction(t - 1, 2)  # feasible class means run from the t shallowest to the t deepest records
-    low = max(starts[rho] + step * half for rho in range(R))
-    high = min(starts[rho] + step * (qmax[rho] - half) for rho in range(R))
-    if low > high:
-        raise ValueError(f"n_records: {n_records} records leave no common target depth for all residues; "
-                         "use more records or fewer targets_per_context")
-    lattice = [K * start % step for start in starts]  # Sigma_rho = K * start_rho (mod step)
-    centre = K * (low + high) / 2
-    z0 = round((R * centre - sum(lattice)) / step) - R // 2
-    candidates = [_class_sums(lattice, step, Fraction(sum(lattice) + step * z, R)) for z in range(z0, z0 + R)]
-    sums = min(candidates, key=lambda c: (c[1], abs(sum(c[0]) / R - centre)))[0]
-
-    targets: list[list[int]] = [[] for _ in range(n_clusters)]
-    for rho in range(R):
-        qs = _spread(K, qmax[rho], per_family, (sums[rho] - K * starts[rho]) // step, rho)
-        owner = rng.permutation(per_family)
-        for j, q in enumerate(qs):  # sorted; a run of equal q is at most per_family long: distinct per cluster
-            targets[(rho - lead) % g + g * int(owner[j % per_family])].append(first[rho] + classes * q)
-    return [sorted(ts) for ts in targets]
-
-
-def _class_sums(lattice: list[int], step: int, mean_sum: Fraction) -> tuple[list[int], Fraction]:
-    """Class sums on their lattices (lattice + step * Z) with mean `mean_sum`, chosen greedily from the
-    top residue down so that every partial sum S_r of deviations lies in [-step/2, step/2]; returns
-    them and max S_r - min S_r, which sets the variance gap (module docstring)."""
-    R = len(lattice)
-    sums = [0] * R
-    deviation, partial = Fraction(0), [Fraction(0)]
-    for rho in reversed(range(R)):
-        sums[rho] = lattice[rho] + step * round((mean_sum - deviation - lattice[rho]) / step)
-        deviation += sums[rho] - mean_sum
-        partial.append(deviation)
-    if deviation % step:
-        raise AssertionError("internal: class sums off their lattices")
-    sums[0] -= int(deviation)  # 0 unless the rounding tied; changes only the grand total, not any S_r
-    return sums, max(partial[:-1]) - min(partial[:-1])
-
-
-def _spread(K: int, qmax: int, cap: int, total: int, rho: int) -> list[int]:
-    """K integers in [0, qmax], each value at most `cap` times, summing to `total`, spread evenly (sorted)."""
-    hist = np.bincount([(2 * j + 1) * (qmax + 1) // (2 * K) for j in range(K)], minlength=qmax + 1)
-    diff = total - int(hist @ np.arange(qmax + 1))
-    step = 1 if diff > 0 else -1
-    for _ in range(abs(diff)):  # move one item by one step where the histogram is most uneven
-        moves = [x for x in range(qmax + 1) if hist[x] and 0 <= x + step <= qmax and hist[x + step] < cap]
-        if not moves:
-            raise ValueError(f"n_records: cannot place the targets of residue {rho} at the designed depth; "
-                             "use more records, fewer targets_per_context or more n_clusters")
-        x = max(moves, key=lambda x: hist[x] - hist[x + step])
-        hist[x] -= 1
-        hist[x + step] += 1
-    if hist.max() > cap:
-        raise ValueError(f"n_records: too few records for the targets of residue {rho}")
-    return np.repeat(np.arange(qmax + 1), hist).tolist()

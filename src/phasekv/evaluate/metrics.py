@@ -51,6 +51,13 @@ What `summarize` computes, and why:
   anti-conservative when a cluster's prompts share a residue.  With singleton clusters the test
   reduces to the plain permutation chi-square test.  `null_gap_p95_pp` is the 95th percentile of
   the gap under the same relabellings: the gap that noise alone exceeds 5% of the time.
+* `phase_flatness_p`: the same relabellings scored on the S phase groups (residues folded mod S): "accuracy is the
+  same at every phase".  With R > S a residue pattern of period R that does not fold onto the phases (a layout or
+  length trend over the design's own cycle, the shift) rejects `flatness_p` but not this; the verdict needs both.
+* `period_nested_p`: per proper divisor d > 1 of S, the p-value of "the phase curve is its fold mod d"
+  (`permutation.nested_period_p`: labels shuffled within (cluster, phase mod d), which keeps the mod-d curve); the
+  verdict's period (`verdict.verdict_period`) is the smallest d it does not reject, else S.  None where neither
+  flatness test rejects at NESTED_WHEN_P (no period to name).
 * `within_flatness_p`: the same statistic with residue labels shuffled only inside each cluster
   (no swap between clusters): a test conditional on each example, so an easy or hard example cannot
   move it whatever the clusters' sizes.  `cochran_q`, `cochran_p`: Cochran's Q with clusters as
@@ -77,16 +84,28 @@ What `summarize` computes, and why:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
+from phasekv.evaluate.permutation import _flatness_test, nested_period_p, stratified_test
+from phasekv.evaluate.resampling import (  # noqa: F401 (CONTRAST_BOUND_PERCENTILES, _group_counts: re-exported)
+    CONTRAST_BOUND_PERCENTILES,
+    _basic_gap_ci,
+    _cluster_bootstrap,
+    _contrast_bounds,
+    _crossfit_estimate,
+    _curve_stats,
+    _group_counts,
+    _percentile_ci,
+    _split_bootstrap,
+)
+
 FIELDS = ("cluster", "target_position", "correct")
-CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule)
-_CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
+
+NESTED_WHEN_P = 0.05  # `period_nested_p` is computed where a flatness test rejects at this level (else None)
 
 Records = Sequence[Mapping] | Mapping[str, ArrayLike]
 
@@ -138,7 +157,8 @@ def detect_period(k: ArrayLike, n: ArrayLike) -> tuple[int, dict[int, float]]:
 
 
 def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: int = 2000,  # long: the
-              seed: int = 0, n_perm: int = 2000, *, within: bool = True) -> dict:  # metrics.json schema is one flat
+              seed: int = 0, n_perm: int = 2000, *, within: bool = True,  # metrics.json schema is one flat
+              units: ArrayLike | None = None) -> dict:
     # literal, read at a glance
     """All statistics of one evaluation as a JSON-ready dict of plain Python values (floats to 10 decimals).
 
@@ -146,7 +166,9 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     `cluster`, `target_position`, `correct`.  The bootstrap and the permutation test draw from
     independent streams spawned from `seed`, so the same input and seed give identical output.
     within=False leaves out the within-example test (None), which no verdict reads: half the permutation cost, for
-    the simulations of `phasekv.evaluate.power`.
+    the simulations of `phasekv.evaluate.power`.  units: an id per prompt of the unit the permutation tests move
+    as a whole (the query phase's contexts, `phasekv.evaluate.query_stats`): then `flatness_p`, `phase_flatness_p`
+    and `null_gap_p95_pp` shuffle whole units' labels within each cluster (`permutation.stratified_test`).
     Raises ValueError for bad fields, a modulus that is not a multiple of the stride, or empty
     residue groups.
     """
@@ -166,15 +188,26 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     if len(empty):
         raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
     cluster_ids, cluster_idx = np.unique(cluster, return_inverse=True)
-    boot_rng, perm_rng, split_rng, within_rng, contrast_rng = (np.random.default_rng(s)
-                                                               for s in np.random.SeedSequence(seed).spawn(5))
+    boot_rng, perm_rng, split_rng, within_rng, contrast_rng, nested_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6))
 
     mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
     kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
     boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
     contrast_reps = _split_bootstrap(kc, nc, n_boot, contrast_rng)
     crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
-    flat_p, null_gap95 = _flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=perm_rng)
+    if units is None:
+        flat_p, null_gap95, phase_p = _flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm,
+                                                     rng=perm_rng)
+        unit_cluster, unit_residue, unit_k, unit_n = cluster_idx, residue, correct, np.ones_like(correct)
+    else:
+        unit_cluster, unit_residue, unit_k, unit_n = _units(units, cluster_idx, residue, correct)
+        flat_p, null_gap95 = stratified_test(unit_cluster, unit_residue, unit_k, unit_n, groups=R, n_perm=n_perm,
+                                             rng=perm_rng)
+        phase_p = (flat_p if R == S else stratified_test(unit_cluster, unit_residue % S, unit_k, unit_n, groups=S,
+                                                         n_perm=n_perm, rng=perm_rng)[0])
+    nested = (nested_period_p(unit_cluster, unit_residue % S, unit_k, unit_n, stride=S, n_perm=n_perm, rng=nested_rng)
+              if min(flat_p, phase_p) < NESTED_WHEN_P else None)
     within_p = (_flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=within_rng,
                                swap=False)[0] if within else None)
     period, scores = detect_period(k, n)
@@ -207,6 +240,8 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "flatness_p": flat_p,
         "flatness_test": "cluster permutation test, Pearson chi-square statistic of the residue x correct table",
         "null_gap_p95_pp": null_gap95,
+        "phase_flatness_p": phase_p,
+        "period_nested_p": nested,
         "within_flatness_p": within_p,
         "within_flatness_test": "within-example permutation test: residue labels shuffled inside each cluster only",
         **cochran_q(kc, nc),
@@ -217,6 +252,20 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
         "per_phase": _group_rows("phase", k_phase, n_phase),
         "position_matching": _position_matching(position, residue, R),
     })
+
+
+def _units(units: ArrayLike, cluster_idx: np.ndarray, residue: np.ndarray,
+           correct: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(cluster, residue, correct, prompts) per permutation unit; ValueError where a unit's prompts differ in cluster
+    or residue (a unit moves as a whole, so it must have one label)."""
+    units = np.asarray(units)
+    if units.shape != residue.shape:
+        raise ValueError(f"units: one id per prompt needed, got shape {units.shape} for {len(residue)} prompts")
+    _, first, unit_idx = np.unique(units, return_index=True, return_inverse=True)
+    if np.any(cluster_idx[first][unit_idx] != cluster_idx) or np.any(residue[first][unit_idx] != residue):
+        raise ValueError("units: every prompt of a unit needs the same cluster and residue")
+    k, n = _group_counts(unit_idx, correct, len(first))
+    return cluster_idx[first], residue[first], k, n
 
 
 def _rounded(obj):
@@ -254,183 +303,6 @@ def _columns(records: Records) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return cols["cluster"], position.astype(np.int64), correct.astype(float)
 
 
-def _group_counts(group: np.ndarray, correct: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """Correct and total prompts per group id in 0..n_groups-1 (float arrays of exact integers)."""
-    k = np.bincount(group, weights=correct, minlength=n_groups)
-    n = np.bincount(group, minlength=n_groups).astype(float)
-    return k, n
-
-
-def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean of the residue curve, residue gap and phase gap (pp) from counts of shape (..., R).
-
-    Groups with n = 0 (possible only in a bootstrap replicate) are left out of mean and gaps.
-    """
-    acc = np.divide(k, n, out=np.full(k.shape, np.nan), where=n > 0)
-    phase_shape = (*k.shape[:-1], k.shape[-1] // stride, stride)
-    k_phase, n_phase = k.reshape(phase_shape).sum(-2), n.reshape(phase_shape).sum(-2)
-    acc_phase = np.divide(k_phase, n_phase, out=np.full(k_phase.shape, np.nan), where=n_phase > 0)
-    gap = 100 * (np.nanmax(acc, -1) - np.nanmin(acc, -1))
-    phase_gap = 100 * (np.nanmax(acc_phase, -1) - np.nanmin(acc_phase, -1))
-    return np.nanmean(acc, -1), gap, phase_gap
-
-
-def _crossfit_gaps(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
-    """Selection-free contrasts (pp) of groups chosen on half a and measured on half b, and vice versa, averaged:
-    [..., 0] best minus worst group; [..., 1] the phase contrast: the dip (the mean of the upper half of the groups
-    minus the worst) or, when the best group stands further above the median than the worst falls below it (a lone
-    strong phase), the peak (the best minus the mean of the lower half); chosen on one half, measured on the other.
-
-    Counts of shape (..., R); result (..., 2).  Groups empty in the choosing half are skipped; a contrast whose
-    chosen groups are empty in the measuring half is nan.
-    """
-    def one_way(k_sel, n_sel, k_eval, n_eval):
-        acc_sel = np.divide(k_sel, n_sel, out=np.full(k_sel.shape, np.nan), where=n_sel > 0)
-        acc_eval = np.divide(k_eval, n_eval, out=np.full(k_eval.shape, np.nan), where=n_eval > 0)
-        order = np.argsort(np.where(np.isnan(acc_sel), np.inf, -acc_sel), -1)  # best first, empty groups last
-        seen = np.count_nonzero(~np.isnan(acc_sel), -1)[..., None]
-        rank = np.arange(acc_sel.shape[-1])
-        half = (seen + 1) // 2
-        upper, lower = rank < half, (rank >= seen - half) & (rank < seen)  # (..., R) masks over the order
-        first, last = rank == 0, rank == seen - 1
-
-        def contrast(acc, high, low):
-            ordered = np.take_along_axis(acc, order, -1)
-            return _masked_mean(ordered, high) - _masked_mean(ordered, low)
-
-        # a lone strong group stands further above the median than the weakest falls below it (the median, not
-        # the halves' means: a half holding the weak groups would otherwise make a weak phase look like a peak)
-        ordered = np.take_along_axis(acc_sel, order, -1)
-        median = np.nanmedian(np.where(rank < seen, ordered, np.nan), -1)
-        peak = ordered[..., 0] - median > median - np.take_along_axis(ordered, seen - 1, -1)[..., 0]
-        phase = np.where(peak, contrast(acc_eval, first, lower), contrast(acc_eval, upper, last))
-        return np.stack([contrast(acc_eval, first, last), phase], -1)
-
-    return 50 * (one_way(k_a, n_a, k_b, n_b) + one_way(k_b, n_b, k_a, n_a))
-
-
-def _masked_mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Mean over the last axis of the finite values where `mask` is set; nan where there are none."""
-    keep = mask & ~np.isnan(values)
-    count = np.count_nonzero(keep, -1)
-    return np.divide(np.where(keep, values, 0.0).sum(-1), count, out=np.full(count.shape, np.nan), where=count > 0)
-
-
-def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
-                       n_splits: int = 20) -> list[float | None]:
-    """Both cross-fitted contrasts of `_crossfit_gaps` (pp) averaged over random half-splits of the clusters;
-    None where there are < 2 clusters or no split measured it."""
-    C = kc.shape[0]
-    if C < 2:
-        return [None, None]
-    gaps = []
-    for _ in range(n_splits):
-        perm = rng.permutation(C)
-        a, b = perm[: C // 2], perm[C // 2 :]
-        gaps.append(_crossfit_gaps(kc[a].sum(0), nc[a].sum(0), kc[b].sum(0), nc[b].sum(0)))
-    gaps = np.asarray(gaps)  # (splits, 2)
-    return [None if np.all(np.isnan(g)) else float(np.nanmean(g)) for g in gaps.T]
-
-
-def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
-                       rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """Replicates of (mean, gap, phase gap, cross-fitted gap) with clusters resampled with replacement.
-
-    kc, nc: (C, R) correct / total counts per cluster and residue.  A replicate draws C clusters
-    with replacement; its counts are the multiplicity-weighted sums of the clusters' counts.  The
-    first C // 2 draws and the rest are the two halves of the cross-fitted gap (nan replicates,
-    where a chosen group is empty in the other half, are dropped).
-    """
-    C = kc.shape[0]
-    chunk = max(1, _CHUNK_ELEMENTS // C)
-    parts = []
-    for start in range(0, n_boot, chunk):
-        b = min(chunk, n_boot - start)
-        draws = rng.integers(0, C, size=(b, C))
-        offset = C * np.arange(b)[:, None]
-        halves = [np.bincount((d + offset).ravel(), minlength=b * C).reshape(b, C).astype(float)
-                  for d in (draws[:, : C // 2], draws[:, C // 2 :])]  # (b, C) multiplicity of each cluster
-        weights = halves[0] + halves[1]
-        stats = _curve_stats(weights @ kc, weights @ nc, stride)
-        crossfit = (_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 0] if C > 1
-                    else np.full(b, np.nan))
-        parts.append((*stats, crossfit))
-    reps = [np.concatenate(p) for p in zip(*parts)]
-    reps[3] = reps[3][~np.isnan(reps[3])]
-    return tuple(reps)
-
-
-def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """Replicates of the cross-fitted phase contrast (pp, nan dropped; empty for < 2 clusters): each replicate
-    splits the clusters into halves and resamples each half with replacement from its own clusters.  Drawing both
-    halves from all clusters (as the gap's bootstrap does) puts ~15% of the clusters in both halves, so the
-    choosing half's noise leaks into the measuring half: in simulation a flat curve's lower bound sat above 0."""
-    C = kc.shape[0]
-    if C < 2:
-        return np.empty(0)
-    chunk = max(1, _CHUNK_ELEMENTS // C)
-    parts = []
-    for start in range(0, n_boot, chunk):
-        b = min(chunk, n_boot - start)
-        perm = rng.permuted(np.tile(np.arange(C), (b, 1)), axis=1)  # (b, C): a random split per replicate
-        offset = C * np.arange(b)[:, None]
-        halves = []
-        for part in (perm[:, : C // 2], perm[:, C // 2 :]):
-            draws = np.take_along_axis(part, rng.integers(0, part.shape[1], part.shape), 1)  # within the half
-            halves.append(np.bincount((draws + offset).ravel(), minlength=b * C).reshape(b, C).astype(float))
-        parts.append(_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 1])
-    reps = np.concatenate(parts)
-    return reps[~np.isnan(reps)]
-
-
-def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Pearson chi-square of the groups x {correct, wrong} table, counts of shape (..., G)."""
-    p = k.sum(-1, keepdims=True) / n.sum(-1, keepdims=True)
-    var = n * p * (1 - p)
-    terms = np.divide((k - n * p) ** 2, var, out=np.zeros(np.broadcast_shapes(k.shape, var.shape)),
-                      where=var > 0)
-    return terms.sum(-1)
-
-
-def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, *, R: int, stride: int,
-                   n_perm: int, rng: np.random.Generator, swap: bool = True) -> tuple[float, float]:
-    """Cluster permutation p-value of "accuracy equal in all residue groups", and the null gap p95.
-
-    Each relabelling gives every cluster the residue labels of a random cluster of the same size
-    (between-cluster swap; `swap=False`: every cluster keeps its own labels, the within-example test)
-    in random order (within-cluster shuffle).  Group sizes stay fixed, so only the correct counts
-    change.  p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm).
-    """
-    k, n = _group_counts(residue, correct, R)
-    observed = _chi_square(k, n)
-    order = np.argsort(cluster_idx, kind="stable")
-    sizes = np.bincount(cluster_idx)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    labels, hits = residue[order], correct[order]
-    classes = []  # per cluster size s: (m, s) residue labels and correctness of its m clusters
-    for s in np.unique(sizes[sizes > 0]):
-        rows = starts[sizes == s][:, None] + np.arange(s)
-        classes.append((labels[rows], hits[rows]))
-    chunk = max(1, _CHUNK_ELEMENTS // len(correct))
-    stats, gaps = [], []
-    for start in range(0, n_perm, chunk):
-        b = min(chunk, n_perm - start)
-        k_perm = np.zeros((b, R))
-        for lab, hit in classes:
-            m = lab.shape[0]
-            swapped = (lab[rng.permuted(np.tile(np.arange(m), (b, 1)), axis=1)] if swap
-                       else np.broadcast_to(lab, (b, *lab.shape)))  # (b, m, s)
-            shuffled = rng.permuted(swapped, axis=2)
-            flat = (shuffled + R * np.arange(b)[:, None, None]).ravel()
-            k_perm += np.bincount(flat, weights=np.broadcast_to(hit, shuffled.shape).ravel(),
-                                  minlength=b * R).reshape(b, R)
-        stats.append(_chi_square(k_perm, n))
-        gaps.append(_curve_stats(k_perm, np.broadcast_to(n, k_perm.shape), stride)[1])
-    stats = np.concatenate(stats)
-    exceed = np.count_nonzero(stats >= observed - 1e-9 * max(1.0, observed))
-    return float((1 + exceed) / (1 + n_perm)), float(np.percentile(np.concatenate(gaps), 95))
-
-
 def cochran_q(kc: np.ndarray, nc: np.ndarray) -> dict[str, float | None]:
     """Cochran's Q test of "accuracy equal in all residue groups" with clusters as blocks.
 
@@ -450,26 +322,6 @@ def cochran_q(kc: np.ndarray, nc: np.ndarray) -> dict[str, float | None]:
         return {"cochran_q": None, "cochran_p": None}
     q = (R - 1) * (R * (col ** 2).sum() - total ** 2) / denominator
     return {"cochran_q": float(q), "cochran_p": float(chi2.sf(q, R - 1))}
-
-
-def _percentile_ci(samples: np.ndarray) -> list[float]:
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return [float(low), float(high)]
-
-
-def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
-    """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound)
-    and `contrast_crossfit_se_pp` (the bootstrap's sd); None without a contrast or with < 20 finite replicates."""
-    if dip is None or samples.size < 20:
-        return {"contrast_crossfit_bounds_pp": None, "contrast_crossfit_se_pp": None}
-    return {"contrast_crossfit_bounds_pp": [float(x) for x in np.percentile(samples, CONTRAST_BOUND_PERCENTILES)],
-            "contrast_crossfit_se_pp": float(samples.std(ddof=1))}
-
-
-def _basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:
-    """Basic bootstrap interval of a gap in pp: reflects the percentiles around the estimate."""
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return [float(max(0.0, 2 * observed - high)), float(min(100.0, 2 * observed - low))]
 
 
 def _group_rows(key: str, k: np.ndarray, n: np.ndarray) -> list[dict]:

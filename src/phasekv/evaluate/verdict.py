@@ -44,14 +44,16 @@ from phasekv.evaluate.metrics import (
     _group_counts,
     _rounded,
     detect_period,
-    summarize,
     wilson_interval,
 )
+from phasekv.evaluate.query_stats import length_verdict, query_phase_summary
+from phasekv.evaluate.sizing import BOUND_SD, detectable_gap_pp
 
 CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
 FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test rejects flatness at 5%
 MATERIAL_GAP_PP = 10.0  # 3. material: the contrast's one-sided 95% lower bound >= 10 pp AND the gap above null p95
 DETECTION_POWER = 0.80  # the minimum detectable gap is the contrast found this often
+MIN_CLUSTERS = 8  # fewer clusters: no bounds and no detectable gap of the run's own (`too_small`)
 
 
 def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None, str]:
@@ -61,25 +63,77 @@ def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None,
     return (None if bounds is None else bounds[0]), bounds, "selection-free phase contrast"
 
 
+def too_small(metrics: dict) -> bool:
+    """True where the run cannot resolve its own bootstrap: fewer than MIN_CLUSTERS clusters (the cross-fit's halves
+    hold a few clusters each, and resampling them gives a few distinct values: 2 clusters printed bounds [3.1, 3.1]
+    and a 10 pp detectable gap).  Such a run prints no bounds and no detectable gap of its own, and no material
+    effect."""
+    return metrics.get("n_clusters", MIN_CLUSTERS) < MIN_CLUSTERS
+
+
 def minimum_detectable_gap(metrics: dict) -> float | None:
-    """The contrast (pp) this run's design would call material with probability DETECTION_POWER, from its own bootstrap:
-    MATERIAL_GAP_PP + (z_0.95 + z_0.80) x sd of the cross-fitted dip (`contrast_crossfit_se_pp`, which reflects the
-    run's prompts, clusters and accuracy).  The normal approximation of the material rule alone; the flatness test
-    must reject as well, which at the default designs it does more often than the bound clears (checked against
-    the simulated power in benchmarks/verdict_power.py).  None without a bootstrap of the contrast."""
-    se = metrics.get("contrast_crossfit_se_pp")
-    if se is None:
+    """The contrast (pp) this run's design would call material with probability DETECTION_POWER, from its own
+    bootstrap: MATERIAL_GAP_PP + (estimate - one-sided 95% lower bound) + z_0.80 x sd of the cross-fitted contrast.
+    The bound's distance from the estimate is the bootstrap's own, but at least `sizing.BOUND_SD` sd: under an
+    effect the bootstrap is left-skewed (a split that picks a wrong phase measures ~0), the bound ~2 sd below the
+    estimate, not the normal 1.645, and a flat run cannot see that skew in its own bootstrap; with it a true gap of
+    this size clears MATERIAL_GAP_PP about DETECTION_POWER of the time (simulated: docs/power.md).  None without a
+    bootstrap of the contrast or where `too_small`."""
+    if too_small(metrics) or metrics.get("contrast_crossfit_se_pp") is None:
         return None
+    se, bounds, dip = (metrics["contrast_crossfit_se_pp"], metrics["contrast_crossfit_bounds_pp"],
+                       metrics.get("contrast_crossfit_pp"))
     z_bound = norm.ppf(1 - CONTRAST_BOUND_PERCENTILES[0] / 100)
-    return float(MATERIAL_GAP_PP + (z_bound + norm.ppf(DETECTION_POWER)) * se)
+    spread = max(z_bound * se if dip is None else dip - bounds[0], BOUND_SD * se)
+    return float(MATERIAL_GAP_PP + spread + norm.ppf(DETECTION_POWER) * se)
+
+
+def small_run_note(metrics: dict) -> str:
+    """The line a `too_small` run prints instead of bounds: its prompts per phase and the gap that size detects on
+    the simulated models (`sizing.detectable_gap_pp`)."""
+    per_phase = max(1, int(metrics["n_prompts"]) // int(metrics["stride"]))
+    return (f"this run is too small: {per_phase} prompts per phase in {metrics.get('n_clusters', '?')} clusters "
+            f"detect about {detectable_gap_pp(per_phase):.0f} pp")
+
+
+def holm_line(pvalues: Mapping[str, float | None], alpha: float = FLATNESS_ALPHA) -> str:
+    """One line of the family-wise view of several flatness p-values on the same prompts (an audit's conditions and
+    protocols): Holm's step-down adjustment, the smallest adjusted p and how many tests reject at `alpha` family-wise.
+    None entries are left out."""
+    named = {k: float(v) for k, v in pvalues.items() if v is not None}
+    if not named:
+        return "family-wise (Holm): no flatness tests"
+    adjusted = holm_adjusted(list(named.values()))
+    best = int(np.argmin(adjusted))
+    rejected = sum(a < alpha for a in adjusted)
+    return (f"family-wise (Holm) over {len(named)} flatness tests: {rejected} reject at {100 * alpha:g}%, smallest "
+            f"adjusted p = {adjusted[best]:.3g} ({list(named)[best]})")
+
+
+def holm_adjusted(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order: the i-th smallest p times (m - i), made monotone and
+    capped at 1."""
+    p = np.asarray(pvalues, dtype=float)
+    order = np.argsort(p, kind="stable")
+    scaled = np.minimum(1.0, np.maximum.accumulate(p[order] * (len(p) - np.arange(len(p)))))
+    out = np.empty_like(p)
+    out[order] = scaled
+    return [float(x) for x in out]
 
 
 def verdict_period(metrics: dict) -> int:
-    """The period the verdict names: the divisor d > 1 of R with the lowest BIC in `period_scores` (ties to the
-    smaller d); 1 when R = 1."""
-    scores = {int(d): s for d, s in metrics["period_scores"].items() if int(d) > 1}
+    """The period the verdict names, always a divisor of the stride S (a period of the design's own cycle R, the
+    shift, is a layout or length trend, never a phase): S, unless the nested test `period_nested_p` does not reject
+    "the phase curve is its fold mod d" at FLATNESS_ALPHA for a proper divisor d > 1 (the smallest such d).  Without
+    the nested tests (older metrics), the divisor d > 1 of S with the lowest BIC in `period_scores`; 1 when S = 1."""
+    S = int(metrics.get("stride") or max(int(d) for d in metrics["period_scores"]))
+    nested = metrics.get("period_nested_p")
+    if nested is not None:
+        fits = [int(d) for d, p in nested.items() if p is not None and p >= FLATNESS_ALPHA and S % int(d) == 0]
+        return min(fits, default=S)
+    scores = {int(d): s for d, s in metrics["period_scores"].items() if int(d) > 1 and S % int(d) == 0}
     if not scores:
-        return 1
+        return S if S > 1 else 1
     best = min(scores.values())
     return min(d for d, s in scores.items() if s <= best + 1e-9)
 
@@ -99,9 +153,13 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
     mean, low = metrics["mean_accuracy"], metrics["mean_ci"][0]
     able = low > CHANCE_FACTOR * in_context_chance
     judged = able if capable is None else capable
-    dependent = judged and metrics["flatness_p"] < FLATNESS_ALPHA
+    phase_p = metrics.get("phase_flatness_p")
+    layout_only = metrics["flatness_p"] < FLATNESS_ALPHA and phase_p is not None and phase_p >= FLATNESS_ALPHA
+    dependent = judged and metrics["flatness_p"] < FLATNESS_ALPHA and not layout_only
+    small = too_small(metrics)
     bound, bounds, dip_name = material_gap_bound(metrics)
-    material = (dependent and bound is not None and bound >= MATERIAL_GAP_PP
+    bounds = None if small else bounds
+    material = (dependent and not small and bound is not None and bound >= MATERIAL_GAP_PP
                 and metrics["max_gap_pp"] > metrics["null_gap_p95_pp"])
     period = verdict_period(metrics)
     mde = minimum_detectable_gap(metrics)
@@ -113,8 +171,13 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
            f"{'-' if dip is None else f'{dip:.1f}'} pp, one-sided 95% bounds {_interval(bounds)} pp (minimum "
            f"{MATERIAL_GAP_PP:.0f}), null 95th percentile {metrics['null_gap_p95_pp']:.1f} pp, flatness p = "
            f"{metrics['flatness_p']:.3g}")
-    detectable = ("; this run could not bound the phase contrast (too few clusters)" if mde is None else
+    detectable = (f"; {small_run_note(metrics)}" if small else
+                  "; this run could not bound the phase contrast (too few clusters)" if mde is None else
                   f"; the smallest gap this run finds {100 * DETECTION_POWER:.0f}% of the time: {mde:.0f} pp")
+    if layout_only and judged:
+        detectable += (f"; the residues mod {metrics['residue_modulus']} vary (flatness p = "
+                       f"{metrics['flatness_p']:.3g}) but the phases mod {metrics['stride']} do not (p = "
+                       f"{phase_p:.3g}): a layout or length trend over the shifts, not a phase")
     if material:
         verdict = f"phase sensitive: period {period}, {gap} ({tail})"
     elif not judged:
@@ -129,7 +192,7 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
         verdict = (f"a phase effect, not shown material (it may be as large as {upper:.0f} pp): {gap}{detectable} "
                    f"({tail})")
     parts = {"can_do_task": bool(able), "phase_dependent": bool(dependent), "material": bool(material),
-             "period": int(period) if judged else None}
+             "period": int(period) if judged else None, "layout_trend": bool(layout_only), "too_small": bool(small)}
     return {"chance": round(float(chance), 10), "in_context_chance": round(float(in_context_chance), 10),
             "can_do_task": bool(able), "phase_sensitive": bool(material), "verdict_parts": parts,
             "minimum_detectable_gap_pp": None if mde is None else round(mde, 10), "verdict": verdict}
@@ -139,29 +202,26 @@ def _interval(ci: list[float] | None) -> str:
     return "[-]" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
 
 
-# The query phase (the query protocol of `phasekv.data.protocols`): the target's position is held fixed and the
-# prompt length varies, so the coordinate under test is the query position (the last prompt token) mod R.
+# The query phase (the query protocol of `phasekv.data.protocols`): the targets are held fixed and the prompt length
+# varies, so the coordinate under test is the query position (the last prompt token) mod S.
 
 def query_phase_statistics(records: Sequence[Mapping], stride: int, residue_modulus: int, chance: float,
                            in_context_chance: float, *, judge=task_verdict, n_boot: int = 2000,
                            seed: int = 0, n_perm: int = 2000, within: bool = True) -> dict[str, Any]:
-    """`query_phase`: all of `summarize` and `judge`'s verdict (period, gap, material effect, the capability gate
-    against the in-context chance) with the prompts grouped by `query_position` mod R instead of the target's
-    position, the same rules on the other coordinate (its `position_matching` is of the query position); and
-    `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
-
-    The unit is the (cluster, record) pair (`target_pairs`): the protocol shows every pair once at every query
-    residue, a complete block design, so the permutation test shuffles each pair's own shifts (an exact test of
-    "the answers do not depend on the query position", and Cochran's Q is defined), and differences between
-    pairs, which are the same in every group, do not swamp it as they do when whole examples are shuffled."""
+    """`query_phase`: the query-phase statistics (`query_stats.query_phase_summary`: the prompts grouped by the
+    query phase, query position mod S; clusters resampled, whole contexts permuted within their cluster; the length
+    trend and the length step beside them) and `judge`'s verdict (period, gap, material effect, the capability gate
+    against the in-context chance), read by `query_stats.length_verdict` so that a length effect is not called a
+    phase; and `cross`, `cross_phase_table`.  records: `summarize`'s fields plus `record` and `query_position`.
+    residue_modulus and within are accepted for the callers' sake: the query phase is grouped mod S, and its unit,
+    the context, is already within a cluster."""
     if any("query_position" not in r or "record" not in r for r in records):
         raise ValueError("records lack the field 'query_position' or 'record' (predictions of "
                          "phasekv.evaluate.runner.predict)")
-    pairs = target_pairs(records)
-    regrouped = {"cluster": [r["cluster"] for r in pairs], "correct": [r["correct"] for r in records],
-                 "target_position": [r["query_position"] for r in records]}
-    query = summarize(regrouped, stride, residue_modulus, n_boot=n_boot, seed=seed, n_perm=n_perm, within=within)
+    del residue_modulus, within
+    query = query_phase_summary(records, stride, n_boot=n_boot, seed=seed, n_perm=n_perm)
     query.update(judge(query, chance, in_context_chance))
+    query.update(length_verdict(query))
     return {"query_phase": query, "cross": cross_phase_table(records, stride)}
 
 
