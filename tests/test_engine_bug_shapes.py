@@ -77,7 +77,7 @@ def proxy(upstream: str, wrong):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from phasekv.adapters.launchers import started
+    from phasekv.engines.registry import started
 
     binary, model = fake_engine(tmp_path_factory.mktemp("engine"), VOCAB.size)
     with started(LLAMA, binary, model, {"ubatch": "4096"}, context=4096) as url:
@@ -85,7 +85,7 @@ def engine(tmp_path_factory):
 
 
 def query_verdict(engine, shape, tmp_path):
-    from phasekv.adapters.endpoint import EndpointAdapter
+    from phasekv.engines.client import EndpointAdapter
 
     url, server = proxy(engine, SHAPES[shape])
     adapter = EndpointAdapter(url, "llamacpp", VOCAB.size, concurrency=4)

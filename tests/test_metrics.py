@@ -279,12 +279,12 @@ def test_the_interval_percentiles_and_the_cross_fit_are_pinned():
     from phasekv.evaluate.resampling import (
         CI_PERCENTILES,
         CROSSFIT_SPLITS,
-        _crossfit_estimate,
         _crossfit_gaps,
-        _percentile_ci,
+        crossfit_estimate,
+        percentile_ci,
     )
 
-    assert CI_PERCENTILES == (2.5, 97.5) and _percentile_ci(np.arange(1001.0)) == [25.0, 975.0]
+    assert CI_PERCENTILES == (2.5, 97.5) and percentile_ci(np.arange(1001.0)) == [25.0, 975.0]
     assert CROSSFIT_SPLITS == 20
 
     class Identity:  # a generator whose splits are the clusters in order, counting the splits
@@ -296,7 +296,7 @@ def test_the_interval_percentiles_and_the_cross_fit_are_pinned():
 
     kc = np.array([[1.0, 2.0], [2.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, 1.0]])
     nc = np.full(kc.shape, 2.0)
-    got = _crossfit_estimate(kc, nc, Identity())
+    got = crossfit_estimate(kc, nc, Identity())
     assert Identity.calls == 20  # the point estimate averages 20 splits
     halves = _crossfit_gaps(kc[:2].sum(0), nc[:2].sum(0), kc[2:].sum(0), nc[2:].sum(0))  # C // 2 and the rest
     assert got == pytest.approx(halves.tolist())

@@ -147,17 +147,9 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
             log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
                         cfg.format)
             break
-    summary = {
-        "schema_version": SUMMARY_SCHEMA_VERSION,
-        "model": adapter.info.name, "conditions": results,
-        "format": vocab.to_dict() if vocab else {"format": {"name": f"long-context {long_context.family}"},
-                                                 "long_context": sets[protocols[0]].settings},
-        "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
-        "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
-                     "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
-                     "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
-                         vocab.retokenization_agreement(sets[protocols[0]].prompts()[0].ids) if vocab else None},
-    }
+    summary = {"schema_version": SUMMARY_SCHEMA_VERSION, "model": adapter.info.name, "conditions": results,
+               "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),
+               **_described(vocab, sets, cfg, plan, long_context)}
     if reference is not None:
         from phasekv.evaluate.served import compare
 
@@ -167,6 +159,18 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)
     check_finite(summary)
     return summary, runs
+
+
+def _described(vocab, sets: dict[str, Any], cfg: EvalConfig, plan: AuditPlan,
+               long_context: LongContextSpec | None) -> dict[str, Any]:
+    """The summary's description of the prompt sets: format, settings, whether the model can do the task."""
+    protocols, first = plan.protocols, plan.protocols[0]
+    return {"format": vocab.to_dict() if vocab else {"format": {"name": f"long-context {long_context.family}"},
+                                                     "long_context": sets[first].settings},
+            "settings": {"window": plan.window, "stride": cfg.stride, "local_window": cfg.local_window,
+                         "n_records": cfg.records, "n_demos": cfg.demos, "prompts_per_phase": plan.prompts_per_phase,
+                         "seed": cfg.seed, "protocols": list(protocols), "retokenization_agreement":
+                             vocab.retokenization_agreement(sets[first].prompts()[0].ids) if vocab else None}}
 
 
 def write_audit(summary: dict[str, Any], runs: dict[str, dict[str, Any]], out: str | Path | None) -> None:

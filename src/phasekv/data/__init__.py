@@ -1,6 +1,7 @@
 """Synthetic data: the word vocabulary, the lookup prompt family with its training stream, and the
 evaluation prompt sets of the two padding protocols (docs/science.md section 3)."""
 
+from phasekv.config import PROTOCOLS
 from phasekv.data.lookup import (
     IGNORE,
     Batch,
@@ -10,7 +11,7 @@ from phasekv.data.lookup import (
     assemble,
     outside_local_window,
 )
-from phasekv.data.protocols import PROTOCOLS, Context, EvalSet, Prompt, Query, build_eval_set
+from phasekv.data.protocols import Context, EvalSet, Prompt, Query, build_eval_set
 from phasekv.data.vocab import GROUPS, Vocabulary
 
 __all__ = [

@@ -15,7 +15,7 @@ import numpy as np
 from phasekv.data.lookup import outside_local_window
 
 
-def _class_starts(R: int, g: int, pitch: int, lead: int = 1) -> tuple[list[int], list[int]]:
+def class_starts(R: int, g: int, pitch: int, lead: int = 1) -> tuple[list[int], list[int]]:
     """Per base residue rho: the first record index i0 whose base lead + f + pitch * i0
     (f = (rho - lead) mod g) is = rho (mod R), and that base (lead: tokens before the first filler)."""
     classes = R // g
@@ -24,7 +24,7 @@ def _class_starts(R: int, g: int, pitch: int, lead: int = 1) -> tuple[list[int],
     return first, [lead + (rho - lead) % g + pitch * first[rho] for rho in range(R)]
 
 
-def _exact_class_size(starts: list[int], step: int) -> int:
+def exact_class_size(starts: list[int], step: int) -> int:
     """Smallest K for which K bases per residue class can have equal class sums: the class sums are
     K * start (mod step), so K must make every K * (start - start') a multiple of step."""
     common = 0
@@ -33,7 +33,7 @@ def _exact_class_size(starts: list[int], step: int) -> int:
     return step // math.gcd(step, common)
 
 
-def _design_targets(R: int, g: int, *, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
+def design_targets(R: int, g: int, *, pitch: int, rec: int, lead: int, first: list[int], starts: list[int],
                     n_records: int, n_clusters: int, t: int, query_position: int, local_window: int,
                     rng: np.random.Generator) -> list[list[int]]:
     """Target record indices of every cluster, sorted; see the module docstring."""

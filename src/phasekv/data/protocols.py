@@ -117,9 +117,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from phasekv.config import EVAL_PROTOCOLS, PROTOCOLS  # noqa: F401 (PROTOCOLS: re-exported by phasekv.data)
+from phasekv.config import EVAL_PROTOCOLS
 from phasekv.data.lookup import assemble, filler_tokens, outside_local_window, sample_records, scatter
-from phasekv.data.matching import _class_starts, _design_targets, _exact_class_size
+from phasekv.data.matching import class_starts, design_targets, exact_class_size
 from phasekv.data.vocab import Vocabulary
 
 _TAG = {"prefix": 10, "insequence": 11, "query": 12}  # RNG stream tags (lookup.py uses 0..2)
@@ -283,8 +283,8 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
     pitch = rec + spacer + gap
     g = math.gcd(pitch, R)
     classes = R // g  # residue classes a cluster can reach
-    first, starts = _class_starts(R, g, pitch, lead)
-    exact = _exact_class_size(starts, pitch * classes)
+    first, starts = class_starts(R, g, pitch, lead)
+    exact = exact_class_size(starts, pitch * classes)
     targets_per_context = classes if targets_per_context is None else targets_per_context
     if not isinstance(targets_per_context, int) or targets_per_context < 1 or targets_per_context % classes:
         raise ValueError(f"targets_per_context: must be a positive multiple of R / gcd(record pitch {pitch}, R) = "
@@ -309,7 +309,7 @@ def build_eval_set(vocab: Vocabulary, protocol: str, *, n_records: int = 64, n_d
                 "insequence_gap": gap, "seed": seed, "families": g,
                 "exact_matching": (n_clusters // g) * t % exact == 0}
     settings.update({"crossed": (n_clusters // g) % E == 0, "length_offsets": E} if protocol == "query" else {})
-    targets = _design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
+    targets = design_targets(R, g, pitch=pitch, rec=rec, lead=lead, first=first, starts=starts, n_records=n_records,
                               n_clusters=n_clusters, t=t, query_position=query_position - 2 * offsets,  # module doc
                               local_window=local_window, rng=np.random.default_rng([seed, _TAG[protocol], _DESIGN]))
     geo = _Geometry(protocol=protocol, R=R, stride=stride, g=g, gap=gap, pitch=pitch, rec=rec, lead=lead, header=header,

@@ -90,17 +90,16 @@ from numpy.typing import ArrayLike
 from scipy.special import xlogy
 from scipy.stats import chi2, norm
 
-from phasekv.evaluate.permutation import _flatness_test, nested_period_p, stratified_test
-from phasekv.evaluate.resampling import (  # noqa: F401 (CONTRAST_BOUND_PERCENTILES, _group_counts: re-exported)
-    CONTRAST_BOUND_PERCENTILES,
-    _basic_gap_ci,
-    _cluster_bootstrap,
-    _contrast_bounds,
-    _crossfit_estimate,
-    _curve_stats,
-    _group_counts,
-    _percentile_ci,
-    _split_bootstrap,
+from phasekv.evaluate.permutation import cluster_flatness_test, nested_period_p, stratified_test
+from phasekv.evaluate.resampling import (
+    basic_gap_ci,
+    cluster_bootstrap,
+    contrast_bounds,
+    crossfit_estimate,
+    curve_stats,
+    group_counts,
+    percentile_ci,
+    split_bootstrap,
 )
 
 FIELDS = ("cluster", "target_position", "correct")
@@ -183,7 +182,7 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     R, S = int(residue_modulus), int(stride)
     cluster, position, correct = _columns(records)
     residue = position % R
-    k, n = _group_counts(residue, correct, R)
+    k, n = group_counts(residue, correct, R)
     empty = np.flatnonzero(n == 0)
     if len(empty):
         raise ValueError(f"residue groups (target_position mod {R}) with no prompts: {empty.tolist()}")
@@ -191,13 +190,13 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
     boot_rng, perm_rng, split_rng, within_rng, contrast_rng, nested_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6))
 
-    mean, gap, phase_gap = (float(x) for x in _curve_stats(k, n, S))
-    kc, nc = (c.reshape(-1, R) for c in _group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
-    boot = _cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
-    contrast_reps = _split_bootstrap(kc, nc, n_boot, contrast_rng)
-    crossfit, contrast = _crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
+    mean, gap, phase_gap = (float(x) for x in curve_stats(k, n, S))
+    kc, nc = (c.reshape(-1, R) for c in group_counts(cluster_idx * R + residue, correct, len(cluster_ids) * R))
+    boot = cluster_bootstrap(kc, nc, S, n_boot, boot_rng)
+    contrast_reps = split_bootstrap(kc, nc, n_boot, contrast_rng)
+    crossfit, contrast = crossfit_estimate(kc, nc, split_rng)  # kc, nc: (C, R) per cluster and residue
     if units is None:
-        flat_p, null_gap95, phase_p = _flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm,
+        flat_p, null_gap95, phase_p = cluster_flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm,
                                                      rng=perm_rng)
         unit_cluster, unit_residue, unit_k, unit_n = cluster_idx, residue, correct, np.ones_like(correct)
     else:
@@ -208,28 +207,28 @@ def summarize(records: Records, stride: int, residue_modulus: int = 24, n_boot: 
                                                          n_perm=n_perm, rng=perm_rng)[0])
     nested = (nested_period_p(unit_cluster, unit_residue % S, unit_k, unit_n, stride=S, n_perm=n_perm, rng=nested_rng)
               if min(flat_p, phase_p) < NESTED_WHEN_P else None)
-    within_p = (_flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=within_rng,
+    within_p = (cluster_flatness_test(cluster_idx, residue, correct, R=R, stride=S, n_perm=n_perm, rng=within_rng,
                                swap=False)[0] if within else None)
     period, scores = detect_period(k, n)
     k_phase, n_phase = k.reshape(R // S, S).sum(0), n.reshape(R // S, S).sum(0)
     acc, acc_phase = k / n, k_phase / n_phase
-    return _rounded({
+    return rounded_floats({
         "stride": S,
         "residue_modulus": R,
         "n_prompts": len(correct),
         "n_clusters": len(cluster_ids),
         "mean_accuracy": mean,
-        "mean_ci": _percentile_ci(boot[0]),
+        "mean_ci": percentile_ci(boot[0]),
         "max_gap_pp": gap,
-        "gap_ci_pp": _percentile_ci(boot[1]),
+        "gap_ci_pp": percentile_ci(boot[1]),
         "phase_gap_pp": phase_gap,
-        "phase_gap_ci_pp": _percentile_ci(boot[2]),
-        "gap_ci_basic_pp": _basic_gap_ci(gap, boot[1]),
-        "phase_gap_ci_basic_pp": _basic_gap_ci(phase_gap, boot[2]),
+        "phase_gap_ci_pp": percentile_ci(boot[2]),
+        "gap_ci_basic_pp": basic_gap_ci(gap, boot[1]),
+        "phase_gap_ci_basic_pp": basic_gap_ci(phase_gap, boot[2]),
         "gap_crossfit_pp": crossfit,
-        "gap_crossfit_ci_pp": _percentile_ci(boot[3]) if crossfit is not None and boot[3].size else None,
+        "gap_crossfit_ci_pp": percentile_ci(boot[3]) if crossfit is not None and boot[3].size else None,
         "contrast_crossfit_pp": contrast,
-        **_contrast_bounds(contrast, contrast_reps),
+        **contrast_bounds(contrast, contrast_reps),
         "best_residue": int(np.argmax(acc)),
         "worst_residue": int(np.argmin(acc)),
         "best_phase": int(np.argmax(acc_phase)),
@@ -264,18 +263,18 @@ def _units(units: ArrayLike, cluster_idx: np.ndarray, residue: np.ndarray,
     _, first, unit_idx = np.unique(units, return_index=True, return_inverse=True)
     if np.any(cluster_idx[first][unit_idx] != cluster_idx) or np.any(residue[first][unit_idx] != residue):
         raise ValueError("units: every prompt of a unit needs the same cluster and residue")
-    k, n = _group_counts(unit_idx, correct, len(first))
+    k, n = group_counts(unit_idx, correct, len(first))
     return cluster_idx[first], residue[first], k, n
 
 
-def _rounded(obj):
+def rounded_floats(obj):
     """Floats rounded to 10 decimals (drops float noise such as 9.999999999999998 or -0.0)."""
     if isinstance(obj, float):
         return round(obj, 10) + 0.0
     if isinstance(obj, dict):
-        return {key: _rounded(value) for key, value in obj.items()}
+        return {key: rounded_floats(value) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [_rounded(value) for value in obj]
+        return [rounded_floats(value) for value in obj]
     return obj
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from phasekv.evaluate.resampling import _CHUNK_ELEMENTS, _curve_stats, _group_counts
+from phasekv.evaluate.resampling import CHUNK_ELEMENTS, curve_stats, group_counts
 
 
 def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -23,7 +23,7 @@ def _chi_square(k: np.ndarray, n: np.ndarray) -> np.ndarray:
     return terms.sum(-1)
 
 
-def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, *, R: int, stride: int,
+def cluster_flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.ndarray, *, R: int, stride: int,
                    n_perm: int, rng: np.random.Generator, swap: bool = True) -> tuple[float, float, float]:
     """Cluster permutation p-value of "accuracy equal in all residue groups", the null gap p95, and the p-value
     of the same relabellings for the phase groups (residues folded mod `stride`: the table of S groups).
@@ -33,7 +33,7 @@ def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.nda
     in random order (within-cluster shuffle).  Group sizes stay fixed, so only the correct counts
     change.  p = (1 + #{X2_perm >= X2_obs}) / (1 + n_perm).
     """
-    k, n = _group_counts(residue, correct, R)
+    k, n = group_counts(residue, correct, R)
     observed = _chi_square(k, n)
     fold = (R // stride, stride)
     observed_phase = _chi_square(k.reshape(fold).sum(0), n.reshape(fold).sum(0))
@@ -45,7 +45,7 @@ def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.nda
     for s in np.unique(sizes[sizes > 0]):
         rows = starts[sizes == s][:, None] + np.arange(s)
         classes.append((labels[rows], hits[rows]))
-    chunk = max(1, _CHUNK_ELEMENTS // len(correct))
+    chunk = max(1, CHUNK_ELEMENTS // len(correct))
     stats, gaps, phase_stats = [], [], []
     for start in range(0, n_perm, chunk):
         b = min(chunk, n_perm - start)
@@ -60,7 +60,7 @@ def _flatness_test(cluster_idx: np.ndarray, residue: np.ndarray, correct: np.nda
                                   minlength=b * R).reshape(b, R)
         stats.append(_chi_square(k_perm, n))
         phase_stats.append(_chi_square(k_perm.reshape(b, *fold).sum(1), n.reshape(fold).sum(0)))
-        gaps.append(_curve_stats(k_perm, np.broadcast_to(n, k_perm.shape), stride)[1])
+        gaps.append(curve_stats(k_perm, np.broadcast_to(n, k_perm.shape), stride)[1])
     return (_p_value(np.concatenate(stats), observed), float(np.percentile(np.concatenate(gaps), 95)),
             _p_value(np.concatenate(phase_stats), observed_phase))
 
@@ -89,7 +89,7 @@ def stratified_test(strata: np.ndarray, label: np.ndarray, k: np.ndarray, n: np.
     stratum, label, k, n = stratum[order], label[order], k[order], n[order]
     U = len(label)
     observed = _chi_square(*_unit_counts(label[None], k, n, groups))[0]
-    chunk = max(1, _CHUNK_ELEMENTS // max(U, 1))
+    chunk = max(1, CHUNK_ELEMENTS // max(U, 1))
     stats, gaps = [], []
     for start in range(0, n_perm, chunk):
         b = min(chunk, n_perm - start)

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 from scipy.stats import norm
 
-from phasekv.evaluate.metrics import _group_counts, _rounded, summarize
-from phasekv.evaluate.resampling import CI_PERCENTILES
+from phasekv.evaluate.metrics import rounded_floats, summarize
+from phasekv.evaluate.resampling import CI_PERCENTILES, group_counts
 
 
 def query_phase_summary(records: Sequence[Mapping], stride: int, *, n_boot: int = 2000, seed: int = 0,
@@ -68,7 +68,7 @@ def length_trend(cluster: np.ndarray, length: np.ndarray, correct: np.ndarray, s
     dy = correct - (np.bincount(ci, correct, C) / n_c)[ci]
     sxy, sxx = np.bincount(ci, dx * dy, C), np.bincount(ci, dx * dx, C)
     scale = 100.0 * stride
-    k, n = _group_counts(length - length.min(), correct, int(length.max() - length.min()) + 1)
+    k, n = group_counts(length - length.min(), correct, int(length.max() - length.min()) + 1)
     per_length = [{"query_position": int(length.min() + i), "n": int(n[i]), "accuracy": float(k[i] / n[i])}
                   for i in np.flatnonzero(n)]
     if sxx.sum() <= 0:
@@ -80,15 +80,15 @@ def length_trend(cluster: np.ndarray, length: np.ndarray, correct: np.ndarray, s
     reps = reps[np.isfinite(reps)]
     se = float(reps.std(ddof=1)) if reps.size > 1 else 0.0
     p = (1.0 if slope == 0 else 0.0) if se == 0 else float(2 * norm.sf(abs(slope) / se))
-    return _rounded({"pp_per_stride": float(slope), "ci_pp": [float(v) for v in np.percentile(reps, CI_PERCENTILES)],
-                     "se_pp": se, "p": p, "per_length": per_length})
+    ci = [float(v) for v in np.percentile(reps, CI_PERCENTILES)]
+    return rounded_floats({"pp_per_stride": float(slope), "ci_pp": ci, "se_pp": se, "p": p, "per_length": per_length})
 
 
 def length_step(length: np.ndarray, correct: np.ndarray, stride: int) -> dict[str, Any]:
     """Per-length curve fit by (a) S phase means + a linear trend and (b) one step at the best query position + a
     linear trend (weighted least squares, weights = prompts per length); `step_explains` is True where (b)'s
     residual sum of squares is at most (a)'s.  With fewer distinct lengths than S + 2 nothing is fit (None)."""
-    k, n = _group_counts(length - length.min(), correct, int(length.max() - length.min()) + 1)
+    k, n = group_counts(length - length.min(), correct, int(length.max() - length.min()) + 1)
     keep = n > 0
     positions = length.min() + np.flatnonzero(keep)
     y, w = k[keep] / n[keep], n[keep]
@@ -102,7 +102,7 @@ def length_step(length: np.ndarray, correct: np.ndarray, stride: int) -> dict[st
         rss, beta = _wls_rss(np.column_stack([np.ones_like(centred), positions >= t, centred]), y, w)
         if best is None or rss < best[0] - 1e-12:
             best = (rss, int(t), float(beta[1]))
-    return _rounded({"step_at": best[1], "step_pp": 100 * best[2], "rss_step": float(best[0]),
+    return rounded_floats({"step_at": best[1], "step_pp": 100 * best[2], "rss_step": float(best[0]),
                      "rss_phase": float(rss_phase), "step_explains": bool(best[0] <= rss_phase + 1e-12)})
 
 

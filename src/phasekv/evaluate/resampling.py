@@ -15,17 +15,17 @@ import numpy as np
 CONTRAST_BOUND_PERCENTILES = (5.0, 95.0)  # the phase contrast's bounds: one-sided 95% each (the material rule)
 CI_PERCENTILES = (2.5, 97.5)  # the two-sided 95% percentile intervals (mean_ci, gap_ci_pp, ...)
 CROSSFIT_SPLITS = 20  # random half-splits of the clusters averaged by the cross-fitted point estimates
-_CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
+CHUNK_ELEMENTS = 2_000_000  # bounds the memory of one vectorized block of bootstrap/permutation draws
 
 
-def _group_counts(group: np.ndarray, correct: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+def group_counts(group: np.ndarray, correct: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Correct and total prompts per group id in 0..n_groups-1 (float arrays of exact integers)."""
     k = np.bincount(group, weights=correct, minlength=n_groups)
     n = np.bincount(group, minlength=n_groups).astype(float)
     return k, n
 
 
-def _curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def curve_stats(k: np.ndarray, n: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean of the residue curve, residue gap and phase gap (pp) from counts of shape (..., R).
 
     Groups with n = 0 (possible only in a bootstrap replicate) are left out of mean and gaps.
@@ -80,7 +80,7 @@ def _masked_mean(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.divide(np.where(keep, values, 0.0).sum(-1), count, out=np.full(count.shape, np.nan), where=count > 0)
 
 
-def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
+def crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
                        n_splits: int = CROSSFIT_SPLITS) -> list[float | None]:
     """Both cross-fitted contrasts of `_crossfit_gaps` (pp) averaged over random half-splits of the clusters;
     None where there are < 2 clusters or no split measured it."""
@@ -96,7 +96,7 @@ def _crossfit_estimate(kc: np.ndarray, nc: np.ndarray, rng: np.random.Generator,
     return [None if np.all(np.isnan(g)) else float(np.nanmean(g)) for g in gaps.T]
 
 
-def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
+def cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
                        rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """Replicates of (mean, gap, phase gap, cross-fitted gap) with clusters resampled with replacement.
 
@@ -106,7 +106,7 @@ def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
     where a chosen group is empty in the other half, are dropped).
     """
     C = kc.shape[0]
-    chunk = max(1, _CHUNK_ELEMENTS // C)
+    chunk = max(1, CHUNK_ELEMENTS // C)
     parts = []
     for start in range(0, n_boot, chunk):
         b = min(chunk, n_boot - start)
@@ -115,7 +115,7 @@ def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
         halves = [np.bincount((d + offset).ravel(), minlength=b * C).reshape(b, C).astype(float)
                   for d in (draws[:, : C // 2], draws[:, C // 2 :])]  # (b, C) multiplicity of each cluster
         weights = halves[0] + halves[1]
-        stats = _curve_stats(weights @ kc, weights @ nc, stride)
+        stats = curve_stats(weights @ kc, weights @ nc, stride)
         crossfit = (_crossfit_gaps(halves[0] @ kc, halves[0] @ nc, halves[1] @ kc, halves[1] @ nc)[:, 0] if C > 1
                     else np.full(b, np.nan))
         parts.append((*stats, crossfit))
@@ -124,7 +124,7 @@ def _cluster_bootstrap(kc: np.ndarray, nc: np.ndarray, stride: int, n_boot: int,
     return tuple(reps)
 
 
-def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+def split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """Replicates of the cross-fitted phase contrast (pp, nan dropped; empty for < 2 clusters): each replicate
     splits the clusters into halves and resamples each half with replacement from its own clusters.  Drawing both
     halves from all clusters (as the gap's bootstrap does) puts ~15% of the clusters in both halves, so the
@@ -132,7 +132,7 @@ def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random
     C = kc.shape[0]
     if C < 2:
         return np.empty(0)
-    chunk = max(1, _CHUNK_ELEMENTS // C)
+    chunk = max(1, CHUNK_ELEMENTS // C)
     parts = []
     for start in range(0, n_boot, chunk):
         b = min(chunk, n_boot - start)
@@ -147,12 +147,12 @@ def _split_bootstrap(kc: np.ndarray, nc: np.ndarray, n_boot: int, rng: np.random
     return reps[~np.isnan(reps)]
 
 
-def _percentile_ci(samples: np.ndarray) -> list[float]:
+def percentile_ci(samples: np.ndarray) -> list[float]:
     low, high = np.percentile(samples, CI_PERCENTILES)
     return [float(low), float(high)]
 
 
-def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
+def contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
     """`contrast_crossfit_bounds_pp` (the CONTRAST_BOUND_PERCENTILES of the bootstrap: each a one-sided 95% bound)
     and `contrast_crossfit_se_pp` (the bootstrap's sd); None without a contrast or with < 20 finite replicates."""
     if dip is None or samples.size < 20:
@@ -161,7 +161,7 @@ def _contrast_bounds(dip: float | None, samples: np.ndarray) -> dict[str, Any]:
             "contrast_crossfit_se_pp": float(samples.std(ddof=1))}
 
 
-def _basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:
+def basic_gap_ci(observed: float, samples: np.ndarray) -> list[float]:
     """Basic bootstrap interval of a gap in pp: reflects the percentiles around the estimate."""
     low, high = np.percentile(samples, CI_PERCENTILES)
     return [float(max(0.0, 2 * observed - high)), float(min(100.0, 2 * observed - low))]

@@ -39,14 +39,9 @@ from typing import Any
 import numpy as np
 from scipy.stats import norm
 
-from phasekv.evaluate.metrics import (
-    CONTRAST_BOUND_PERCENTILES,
-    _group_counts,
-    _rounded,
-    detect_period,
-    wilson_interval,
-)
+from phasekv.evaluate.metrics import detect_period, rounded_floats, wilson_interval
 from phasekv.evaluate.query_stats import length_verdict, query_phase_summary
+from phasekv.evaluate.resampling import CONTRAST_BOUND_PERCENTILES, group_counts
 from phasekv.evaluate.sizing import BOUND_SD, detectable_gap_pp
 
 CHANCE_FACTOR = 2.0  # 1. can do the task: the mean's 95% lower bound exceeds 2 x the in-context chance
@@ -245,9 +240,9 @@ def pair_period(records: Sequence[Mapping], residue_modulus: int) -> dict[str, A
     residue = np.asarray([r["target_position"] for r in records], dtype=np.int64) % R
     correct = np.asarray([float(r["correct"]) for r in records])
     shows = len(records) / len({(r["cluster"], r["record"]) for r in records})
-    k, n = _group_counts(residue, correct, R)
+    k, n = group_counts(residue, correct, R)
     period, scores = detect_period(k / shows, n / shows)
-    return _rounded({"detected_period": period, "period_scores": {str(d): v for d, v in scores.items()},
+    return rounded_floats({"detected_period": period, "period_scores": {str(d): v for d, v in scores.items()},
                      "period_criterion": "BIC of binomial model with accuracy depending on residue mod d, one unit "
                                          "of evidence per (cluster, target) pair"})
 
@@ -265,11 +260,11 @@ def cross_phase_table(records: Sequence[Mapping], stride: int) -> dict[str, Any]
     target = np.asarray([r["target_position"] for r in records], dtype=np.int64)
     query = np.asarray([r["query_position"] for r in records], dtype=np.int64)
     correct = np.asarray([float(r["correct"]) for r in records])
-    k, n = _group_counts((target % S) * S + query % S, correct, S * S)
+    k, n = group_counts((target % S) * S + query % S, correct, S * S)
     cells = [{"phase": p, "query_phase": q, **_cell(k[p * S + q], n[p * S + q])} for p in range(S) for q in range(S)]
     k, n = k.reshape(S, S), n.reshape(S, S)  # (source phase, query phase)
-    relative = _group_counts((query - target) % S, correct, S)
-    return _rounded({
+    relative = group_counts((query - target) % S, correct, S)
+    return rounded_floats({
         "stride": S, "n_prompts": len(correct), "cells": cells,
         "per_phase": [{"phase": p, **_cell(k[p].sum(), n[p].sum())} for p in range(S)],
         "per_query_phase": [{"query_phase": q, **_cell(k[:, q].sum(), n[:, q].sum())} for q in range(S)],
