@@ -1004,7 +1004,7 @@ def test_fuzzed_engine_answers_are_refused_in_one_line_or_read_right(flavour):
             body, expected, what = mutations(flavour, ids, rng)
             greedy = valid_answer(flavour, ids)[1]
         engine.body = body
-        adapter.answered_by = None  # each answer judged alone (a renamed "model" would carry over)
+        adapter.answered_by = {}  # each answer judged alone (a renamed "model" would carry over)
         try:
             logits = adapter.logits(torch.tensor([ids]))
         except EndpointError as exc:
@@ -1246,7 +1246,7 @@ def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, t
     vocab, out = vocab_of(tokenizer_dir), tmp_path / "out"
     with HTTPEngine(vocab, context=16) as engine:  # every prompt is longer than the server's context
         code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
-    assert code == 2 and "exceeds the model's context (15 tokens)" in line, line
+    assert code == 2 and "serves a context of 16 tokens" in line and "+ 1 answer token" in line, line
     assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
 
     def three_then_gone(n, ids, k, good):
@@ -1256,21 +1256,21 @@ def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, t
         code, line = served_audit(engine.url, tokenizer_dir, out, capsys)
     assert code == 2 and "slot unavailable" in line, line
     journal = journal_path(out)
-    assert journal.is_file() and len(journal.read_text().splitlines()) == 4  # the header and three answers
+    assert journal.is_file() and len(journal.read_text().splitlines()) == 5  # header, prompt set, 3 answers
     assert all(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
 
     lines = journal.read_text().splitlines()
     journal.write_text("\n".join([*lines, '{"key": "abc"}']) + "\n")  # complete JSON, no answer
     with HTTPEngine(vocab) as engine:
         code, line = served_audit(engine.url, tokenizer_dir, out, capsys, "--resume")
-    assert code == 2 and f"{journal}: line 5 is not a journaled answer (it lacks token, top, cached)" in line, line
+    assert code == 2 and f"{journal}: line 6 is not a journaled answer (it lacks token, top, cached)" in line, line
     journal.write_text("\n".join(lines) + "\n")
     with HTTPEngine(vocab) as engine:
         assert served_audit(engine.url, tokenizer_dir, out, capsys, "--resume") == (0, "")
         asked = engine.posts
     assert asked == 8 - 3  # the three journaled prompts were not asked again
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
-    assert len((out / "endpoint_journal.jsonl").read_text().splitlines()) == 9
+    assert len((out / "endpoint_journal.jsonl").read_text().splitlines()) == 10
     assert json.loads((out / "endpoint.json").read_text())["answers_from_journal"] == 3
 
 
