@@ -231,7 +231,7 @@ def test_the_adapter_scores_whole_prompts_as_the_runner_splits_them(indexer, tmp
     ("kpool:pool=8,top=2,local=4", "local=4 < pool=8"),
     ("kpool:pool=4,top=2,heads=all", "heads='all'"),
     ("kpool:pool=4,top=2,indexer=best", "indexer='best'"),
-    ("kpool:pool=4,top=two", "is not a number"),
+    ("kpool:pool=4,top=two", "is not a whole number"),
     ("kpool:pool=4,top=2,top=3", "given twice"),
     ("kpool:pool=4,size=2", "cannot read"),
     ("kpool:pool=4,top=2,indexer=distilled:/nonexistent", "holds no indexer.json"),

@@ -177,7 +177,7 @@ def test_bad_grids_are_one_line_errors(tmp_path):
     directory = _distilled_dir(tmp_path, hidden=16, layers=1, pool=4)
     for text, message in [("grid=diagonal", "grid='diagonal'"), ("grid=stagger", "needs heads=kv"),
                           (f"heads=kv,grid=stagger,indexer=distilled:{directory}", "an indexer that scores per group"),
-                          ("grid=jitter,seed=x", "is not a number")]:
+                          ("grid=jitter,seed=x", "is not a whole number")]:
         with pytest.raises(ValueError, match=message) as caught:
             sel.parse_selection(f"kpool:pool=4,top=2,{text}")
         assert "\n" not in str(caught.value)
