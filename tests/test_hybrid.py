@@ -262,7 +262,9 @@ def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path,
     evaluate = pipeline._evaluate
 
     def gated(*args, **kwargs):  # a random model is at chance: let it through the capability gate
-        return {**evaluate(*args, **kwargs), "can_do_task": True}
+        run = evaluate(*args, **kwargs)
+        run["metrics"]["can_do_task"] = True
+        return run
 
     monkeypatch.setattr(pipeline, "_evaluate", gated)
     conditions = ["none", "select:3+keep-first:1", "mean", "kpool:pool=4,budget=0.25,indexer=oracle"]
