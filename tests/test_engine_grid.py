@@ -122,7 +122,7 @@ def ubatch_grid(tmp_path, tokenizer, per_phase, checks=None):
 
 
 def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(tmp_path, tokenizer):
-    sets, summary = ubatch_grid(tmp_path, tokenizer, 8)
+    sets, summary = ubatch_grid(tmp_path, tokenizer, 32)
     length = sets["query"].prompt_length
     small, large = summary["points"]
     assert small["settings"] == {"ubatch": str(length // 2)}

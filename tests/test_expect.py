@@ -21,7 +21,7 @@ def tokenizer():
 
 
 def test_expectations_of_a_trusted_grid_hold_on_it_and_each_rule_can_say_no(tmp_path, tokenizer):
-    _, summary = ubatch_grid(tmp_path, tokenizer, 8)
+    _, summary = ubatch_grid(tmp_path, tokenizer, 32)
     expected = write_expectations(summary)
     path = tmp_path / "expect.json"
     path.write_text(json.dumps(expected))
@@ -67,7 +67,7 @@ def test_the_gate_fails_with_status_3_on_the_bug_proxy_and_passes_without_it(tmp
     tokenizer.save_pretrained(tmp_path / "tok")
     flags = ["--api", "llamacpp", "--tokenizer", str(tmp_path / "tok"), "--protocol", "query", "--records",
              str(CFG["records"]), "--demos", str(CFG["demos"]), "--stride", "4", "--local-window", "8",
-             "--prompts-per-phase", "8", "--no-progress"]
+             "--prompts-per-phase", "32", "--no-progress"]
     expect = tmp_path / "expect.json"
     with started(LLAMA, binary, model, {}, context=2048) as url:
         def audit(out, on, gate):
