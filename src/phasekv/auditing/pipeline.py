@@ -141,7 +141,7 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
             results[condition]["kept"] = cond_adapter.kept()
         if hasattr(cond_adapter, "extras"):  # what a condition records beside its metrics (adapters.conditions)
             results[condition].update(cond_adapter.extras(sets, progress))
-        if not served:  # the layers it acted on (full attention) and those left as the model runs them
+        if _transformers_model(adapter):  # the layers it acted on (full attention), those left as the model has them
             results[condition]["layers"] = touched(adapter.module, condition != "none")
         if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
             log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
@@ -159,6 +159,13 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)
     check_finite(summary)
     return summary, runs
+
+
+def _transformers_model(adapter: Adapter) -> bool:
+    """Whether the audited model is a transformers model in process (whose layer kinds its config names)."""
+    from transformers import PretrainedConfig
+
+    return isinstance(getattr(getattr(adapter, "module", None), "config", None), PretrainedConfig)
 
 
 def _described(vocab, sets: dict[str, Any], cfg: EvalConfig, plan: AuditPlan,
