@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         if is_main():
-            print(f"phasekv {args.command}: interrupted (an endpoint run keeps its answers: --resume continues it)",
-                  file=sys.stderr)
+            kept = " (its answers are journaled: --resume continues it)" if getattr(args, "endpoint", None) else ""
+            print(f"phasekv {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
     except _user_errors() as exc:
         if args.verbose:
