@@ -18,8 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from phasekv.engines import process as launch
 from phasekv.engines.journal import prompt_key
+from phasekv.engines.llama_cpp import llama_server as start_llama_server
+from phasekv.engines.vllm import vllm_server as start_vllm_server
 from tests.helpers import REAL_MODEL_PRESENT, SMOL, SMOL_FILE
 
 # where `make engine` puts the binary (the Makefile's ENGINE)
@@ -33,7 +34,7 @@ def llama_server(model: Path = SMOL / SMOL_FILE, slots: int = 4, context: int = 
     """The URL of the built llama-server serving `model` with `slots` parallel sequences of `context // slots` tokens
     each (`extra`: more flags), stopped when the block ends; a server that dies says how in one line
     (`phasekv.engines.process.EngineDied`: its signal by name and its log's last lines)."""
-    return launch.llama_server(LLAMA_SERVER, model, slots=slots, context=context, threads=threads,
+    return start_llama_server(LLAMA_SERVER, model, slots=slots, context=context, threads=threads,
                                startup_s=startup_s, extra=extra)
 
 
@@ -47,7 +48,7 @@ def vllm_server(dtype: str = "float32", context: int = 4096, startup_s: float = 
     """The URL of vLLM serving `make vllm`'s SmolLM2 folder in `dtype`, eager, with no prefix cache and the cached
     prompt tokens reported (`extra`: more flags, the later winning), stopped when the block ends; one line on
     failure as for llama-server.  Startup takes 1-3 minutes on this machine's 2 cores."""
-    return launch.vllm_server(VLLM_PYTHON, VLLM_MODEL, context=context, dtype=dtype, cache_root=VLLM / "cache",
+    return start_vllm_server(VLLM_PYTHON, VLLM_MODEL, context=context, dtype=dtype, cache_root=VLLM / "cache",
                               startup_s=startup_s, extra=extra)
 
 

@@ -198,7 +198,7 @@ def test_faults_that_outlast_the_retries_stop_in_one_line_and_resume_to_the_clea
         proxies.append(proxy)
         assert code == 2 and message in line and proxy.posts == posts, (settings, line, proxy.posts)
         assert not out.exists() and journal.exists()
-        answered.append(len(journal.read_text().splitlines()) - 1)
+        answered.append(len(journal.read_text().splitlines()) - 2)  # the header and the prompt set's line
     assert answered == [2, 3, 5, 6, 6] and n_prompts > 6  # each stop kept what had been answered, and only that
     with FaultProxy(url) as proxy:
         assert audit(proxy.url, tokenizer, out, capsys, "--resume") == (0, "")
