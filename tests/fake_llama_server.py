@@ -22,6 +22,15 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+def send_body(handler: BaseHTTPRequestHandler, status: int, data: bytes) -> None:
+    """Answer a request of `handler` with `status` and the JSON bytes `data` (the stand-ins' one way to reply)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def induction(ids: list[int], longest: int = 8) -> int:
     """The token after the latest earlier occurrence of the longest suffix (up to `longest` tokens) seen before."""
     for n in range(min(longest, len(ids) - 1), 0, -1):
@@ -65,12 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, payload, status=200):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_body(self, status, json.dumps(payload).encode())
 
         def do_GET(self):
             if self.path == "/health":

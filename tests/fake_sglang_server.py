@@ -17,7 +17,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from fake_llama_server import induction
+from fake_llama_server import induction, send_body
 
 
 def main(argv: list[str]) -> None:
@@ -43,12 +43,7 @@ def main(argv: list[str]) -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, payload, status=200):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_body(self, status, json.dumps(payload).encode())
 
         def do_GET(self):
             if self.path == "/health":

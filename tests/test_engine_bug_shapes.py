@@ -14,6 +14,7 @@ import pytest
 
 from phasekv.data import Vocabulary, build_eval_set
 from phasekv.evaluate.runner import evaluate
+from tests.fake_llama_server import send_body
 from tests.test_engine_grid import LLAMA, fake_engine
 
 VOCAB = Vocabulary()
@@ -46,11 +47,7 @@ def proxy(upstream: str, wrong):
                 return response.status, response.read()
 
         def _send(self, status, data):
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_body(self, status, data)
 
         def do_GET(self):
             self._send(*self._forward())
