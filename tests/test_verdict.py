@@ -118,6 +118,17 @@ def test_compressed_condition_verdicts():
     assert not compressed_verdict(flat, CHANCE, IN_CONTEXT)["phase_sensitive"]
 
 
+def test_one_good_phase_in_a_run_too_small_to_bound_it_is_not_destroyed_retrieval():
+    """A compressed condition that keeps one phase of 8 (mean near chance) in a run of 3 clusters: its curve is phase
+    dependent, so 'retrieval destroyed at every phase' would be false; too few clusters to bound the contrast, the
+    verdict is an effect not shown material and says the run is too small."""
+    one = phase_curve(8, fail=(0, 1, 2, 3, 4, 6, 7), fail_acc=0.0, ok_acc=1.0)
+    m = summarize(shifted_records(one, 3, 3), stride=8, n_boot=200, n_perm=200)
+    v = compressed_verdict(m, CHANCE, 0.1)  # mean 12.5% below the gate (2 x 10%), as SmolLM2's select:3 at 8/phase
+    assert v["verdict_parts"]["phase_dependent"] and not v["verdict_parts"]["can_do_task"]
+    assert v["verdict"].startswith("a phase effect, not shown material") and "too small" in v["verdict"], v["verdict"]
+
+
 def test_every_part_is_pinned_at_its_boundary():
     assert judged()["phase_sensitive"] and judged()["verdict"].startswith("phase sensitive: period 8")
     # 1. the capability gate: the mean's lower bound strictly above CHANCE_FACTOR (2.0) x the in-context chance

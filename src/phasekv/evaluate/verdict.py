@@ -177,7 +177,7 @@ def task_verdict(metrics: dict, chance: float, in_context_chance: float, capable
         verdict = f"phase sensitive: period {period}, {gap} ({tail})"
     elif not judged:
         verdict = f"cannot do the task ({tail}): no phase verdict"
-    elif not able:
+    elif not able and not dependent:  # a phase-dependent curve (one good phase) is not destroyed "at every phase"
         verdict = f"retrieval destroyed at every phase ({tail}): no phase effect can be seen"
     elif not dependent:
         verdict = f"no phase effect detected: {gap}{detectable} ({tail})"
