@@ -37,6 +37,14 @@ from phasekv.engines.wire import (
 )
 
 
+def llama_step(step: Any, cached: int | None = None, *, strict: bool = True) -> Answer:
+    """One generated token as llama.cpp gives it, {"id", "top_logprobs": [{"id", "logprob"}, ...]} (in /completion's
+    completion_probabilities and in /v1/completions' logprobs.content), as an Answer; `strict`: the id must be a JSON
+    integer (the decode steps' ids are read with int())."""
+    token = strict_id(step["id"]) if strict else int(step["id"])
+    return Answer(token, ranked([(p["id"], p["logprob"]) for p in step["top_logprobs"]]), cached)
+
+
 class LlamaCppApi(Api):
     """llama.cpp's native /completion: an id array is used verbatim (no BOS added)."""
 
@@ -47,10 +55,8 @@ class LlamaCppApi(Api):
 
     def parse(self, payload):
         try:
-            step = payload["completion_probabilities"][0]
-            top = [(p["id"], p["logprob"]) for p in step["top_logprobs"]]
             # timings.cache_n: prompt tokens reused from the slot (tokens_cached counts the slot after the request)
-            answer = Answer(strict_id(step["id"]), ranked(top), (payload.get("timings") or {}).get("cache_n"))
+            answer = llama_step(payload["completion_probabilities"][0], (payload.get("timings") or {}).get("cache_n"))
             read = payload.get("tokens_evaluated")
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise not_completion(self.name, payload) from None
@@ -73,8 +79,7 @@ class LlamaCppApi(Api):
 
     def parse_steps(self, payload):
         try:
-            return [Answer(int(step["id"]), ranked([(p["id"], p["logprob"]) for p in step["top_logprobs"]]))
-                    for step in payload["completion_probabilities"]]
+            return [llama_step(step, strict=False) for step in payload["completion_probabilities"]]
         except (KeyError, IndexError, TypeError, ValueError):
             raise not_completion(self.name, payload) from None
 

@@ -11,7 +11,7 @@ as llama.cpp's /props does (vLLM has none: its routes answer 404).
 from __future__ import annotations
 
 from phasekv.engines.base import Api
-from phasekv.engines.llama_cpp import llama_cpp_report
+from phasekv.engines.llama_cpp import llama_cpp_report, llama_step
 from phasekv.engines.vllm import vllm_cache_config
 from phasekv.engines.wire import (
     Answer,
@@ -21,7 +21,6 @@ from phasekv.engines.wire import (
     pick_model,
     ranked,
     served_models,
-    strict_id,
 )
 
 
@@ -43,9 +42,7 @@ class OpenAIApi(Api):
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             read = usage.get("prompt_tokens")
             if "content" in logprobs:  # llama.cpp: ids alongside the text
-                step = logprobs["content"][0]
-                top = [(p["id"], p["logprob"]) for p in step["top_logprobs"]]
-                return Answer(strict_id(step["id"]), ranked(top), cached), read
+                return llama_step(logprobs["content"][0], cached), read
             token = vllm_token_id(logprobs["tokens"][0])  # OpenAI/vLLM: tokens as strings
             top = [(vllm_token_id(t), lp) for t, lp in logprobs["top_logprobs"][0].items()]
             return Answer(token, ranked(top), cached), read
@@ -70,8 +67,7 @@ class OpenAIApi(Api):
         try:
             logprobs = payload["choices"][0]["logprobs"]
             if "content" in logprobs:  # llama.cpp
-                return [Answer(int(step["id"]), ranked([(p["id"], p["logprob"]) for p in step["top_logprobs"]]))
-                        for step in logprobs["content"]]
+                return [llama_step(step, strict=False) for step in logprobs["content"]]
             return [Answer(vllm_token_id(token), ranked([(vllm_token_id(t), lp) for t, lp in top.items()]))
                     for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True)]
         except (KeyError, IndexError, TypeError, AttributeError, ValueError):
