@@ -456,11 +456,15 @@ def test_eager_attention_for_a_chunk_press_and_unverified_models_are_refused():
         PressAdapter(hf, "chunkkv:chunk=8")
     with pytest.raises(ValueError, match="multi-query"):
         PressAdapter(_tiny("llama"), "knorm").logits(_ids(1, 4, seed=0))
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2))
+    def mistral(window):
+        return HFAdapter(transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=window)), "mistral")
     with pytest.raises(ValueError, match="MistralForCausalLM is not a model presses are verified on"):
-        PressAdapter(HFAdapter(mistral, "mistral"), "knorm")
+        PressAdapter(mistral(None), "knorm")
+    # with its sliding window on, the hybrid refusal comes first: kvpress would press the window too
+    with pytest.raises(ValueError, match="MistralForCausalLM has sliding layers; kvpress 0.5.5 presses every"):
+        PressAdapter(mistral(16), "knorm")
 
 
 # --- parsing and the install step: no kvpress needed
