@@ -6,6 +6,7 @@ the future; `phasekv audit` records which layers each condition touched."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from phasekv.conditions.grammar import Geometry, condition_adapter
 from phasekv.conditions.head_slices import MaskState, masking
 from phasekv.conditions.hybrid import cache_plan, layer_bytes, layer_kinds, softmax_with_sinks, touched
 from phasekv.conditions.posthoc import cache_bytes, window_starts
+from tests.helpers import needs_real
 
 transformers = pytest.importorskip("transformers")
 
@@ -211,12 +213,82 @@ def test_selection_with_sinks_equals_its_slow_reference():
     assert not torch.allclose(fast, plain, atol=1e-3)  # the sinks matter
 
 
-def test_a_press_refuses_a_hybrid_model_in_one_line():
+needs_kvpress = needs_real(importlib.util.find_spec("kvpress") is not None, "kvpress not installed (make kvpress)")
+
+
+def _own_masks(family: str, length: int, hidden: torch.Tensor) -> dict:
+    """The model's own additive masks (1, 1, T, T) for every layer type but full attention, written out by hand:
+    sliding windows of 8 (i - j < 8), Llama 4's chunks of 8 (same chunk), no mask for linear layers."""
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    def additive(allowed):
+        return torch.zeros(length, length).masked_fill(~allowed, float("-inf"))[None, None]
+    return {"sliding_attention": additive((j <= i) & (i - j < 8)),
+            "chunked_attention": additive((j <= i) & (i // 8 == j // 8)),
+            "linear_attention": None}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a is None and b is None
+
+
+@needs_kvpress
+def test_a_press_on_a_hybrid_acts_on_the_full_layers_and_equals_a_masked_forward(family):
+    """streaming:sinks=4 keeps the same positions in every head and row (the first 4 and the last ones), so the
+    pressed model's query logits must equal one forward over context + queries whose full-attention mask hides the
+    dropped context positions from the queries, every other layer type under its own mask."""
+    from phasekv.conditions.presses import PressAdapter, kept_positions
+
+    name, adapter = family
+    kinds = FAMILIES[name][3]
+    context, queries = _inputs()
+    press = PressAdapter(adapter, "streaming:sinks=4,ratio=0.5")
+    full, _ = adapter.prefill(context)
+    past, length = press.prefill(context)
+    (pressed_cache,), = [past]
+    for index, (layer, kind) in enumerate(zip(pressed_cache.layers, kinds)):
+        if kind == "full":
+            assert layer.keys.shape[-2] == CONTEXT // 2 and layer.get_seq_length() == CONTEXT
+            kept = torch.cat([torch.arange(4), torch.arange(CONTEXT - CONTEXT // 2 + 4, CONTEXT)])
+            positions = kept_positions(full.layers[index].keys, layer.keys).sort(-1).values  # a press keeps its order
+            assert torch.equal(positions, kept.expand_as(positions))
+        else:  # the layers the press leaves hold exactly what the model's own prefill left
+            for field in ("keys", "values", "conv_states", "recurrent_states"):
+                ours, theirs = getattr(layer, field, None), getattr(full.layers[index], field, None)
+                assert _same(ours, theirs), (index, field)
+    got = press.continue_from((past, length), queries[:2], 1)
+    ids = torch.cat([context, queries[:2]], 1)
+    total = ids.shape[1]
+    masks = _own_masks(name, total, None)
+    i, j = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    dropped = (j >= 4) & (j < CONTEXT - CONTEXT // 2 + 4) & (i >= CONTEXT)
+    masks["full_attention"] = torch.zeros(total, total).masked_fill((j > i) | dropped, float("-inf"))[None, None]
+    want = adapter.module(input_ids=ids, attention_mask=masks, use_cache=False).logits[:, CONTEXT:]
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert press.kept()["fraction"] == 0.5  # of the full layer's entries only
+
+
+@needs_kvpress
+def test_a_press_refuses_what_it_cannot_do_on_a_hybrid_in_one_line():
     from phasekv.conditions.presses import PressAdapter
 
     adapter = HFAdapter(build("gemma3"), "gemma3")
-    with pytest.raises(ValueError, match="full/sliding layers; kvpress"):
-        PressAdapter(adapter, "knorm:ratio=0.5")
+    with pytest.raises(ValueError, match="expected-attention re-derives") as error:
+        PressAdapter(adapter, "expected-attention:future=8")
+    assert len(str(error.value).splitlines()) == 1
+    sliding_only = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=64, **COMMON, num_hidden_layers=2, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention"]))
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        PressAdapter(HFAdapter(sliding_only, "gemma3"), "knorm")
+    sdpa = HFAdapter(build("gpt_oss", attention="sdpa"), "gpt_oss")
+    press = PressAdapter(sdpa, "snapkv:window=8")
+    with pytest.raises(ValueError, match="eager attention") as error:
+        press.prefill(_inputs()[0])
+    assert len(str(error.value).splitlines()) == 1
 
 
 def test_a_hybrid_model_never_shares_a_prefix_cache():

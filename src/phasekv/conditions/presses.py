@@ -57,7 +57,7 @@ from torch import nn
 from phasekv.adapters.base import Wrapped
 from phasekv.adapters.hf import HFAdapter
 from phasekv.archs import repeat_rows as repeat_cache
-from phasekv.conditions.hybrid import TARGET, layer_kinds
+from phasekv.conditions.hybrid import TARGET, layer_kinds, offset_layer
 from phasekv.conditions.posthoc import cache_bytes
 
 KVPRESS_VERSION = "0.5.5"  # the version the compatibility layer and tests/test_presses.py verify
@@ -109,7 +109,10 @@ WRAPPERS: dict[str, tuple[str, dict[str, Param]]] = {
     "chunk": ("ChunkPress", {"chunk": Param("chunk_length", 1024, 1)}),
     "block": ("BlockPress", {"block": Param("block_size", 128, 1)}),
 }
-VERIFIED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # the classes tests/test_presses.py checks presses on
+VERIFIED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM",  # the classes tests/test_presses.py checks presses on
+                   "Gemma3ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",  # and tests/test_hybrid.py
+                   "Qwen3NextForCausalLM")
+PRESSED_WITH = ("full", "sliding", "chunked", "linear")  # the layer kinds of a hybrid a press acts beside
 ROWS_SEPARATELY = ("chunkkv",)  # kvpress 0.5.5 selects these from batch row 0 only
 NO_WEIGHTS = ("chunkkv", "chunk", "block")  # these assert the attention layer returned no weights (eager does)
 
@@ -263,6 +266,39 @@ def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return index
 
 
+def check_hybrid(spec: PressSpec, model: str, kinds: list[str]) -> None:
+    """A one-line ValueError for a hybrid a press cannot act on.  On a hybrid, a press acts on the full-attention
+    layers only (kvpress 0.5.5 itself does so for Gemma 3's multimodal class alone); the sliding-window, chunked
+    and linear layers keep the windows and states the model bounds itself."""
+    if set(kinds) == {TARGET}:
+        return
+    if TARGET not in kinds:
+        raise ValueError(f"press {spec.text}: {model} has no full-attention layer (its layers are "
+                         f"{'/'.join(sorted(set(kinds)))}): a press has nothing to compress")
+    refused = sorted(set(kinds) - set(PRESSED_WITH))
+    if refused:
+        raise ValueError(f"press {spec.text}: {model} has {'/'.join(refused)} layers, which no press acts on "
+                         "(only full-attention layers beside sliding-window, chunked or linear ones)")
+    if spec.scorer == "expected-attention":
+        raise ValueError(f"press {spec.text}: kvpress 0.5.5's expected-attention re-derives the queries' "
+                         f"statistics with one rotary embedding for every layer, which {model}'s layer kinds "
+                         "do not share: use knorm, streaming, keydiff, snapkv or tova")
+
+
+def full_attention_modules(inner: HFAdapter, kinds: list[str]) -> list[nn.Module]:
+    """The `self_attn` modules of a hybrid model's full-attention decoder layers."""
+    decoder = getattr(inner.module, "model", inner.module).layers
+    return [layer.self_attn for layer, kind in zip(decoder, kinds, strict=True) if kind == TARGET]
+
+
+def offset_layers(cache, kinds: list[str], length: int):
+    """A pressed hybrid cache with its full-attention layers as `OffsetLayer`s (they hold fewer entries than the
+    `length` positions seen, and report `length` as the other layers do); the other layers stay as they are."""
+    cache.layers = [offset_layer(layer.keys, layer.values, seen=length) if kind == TARGET else layer
+                    for layer, kind in zip(cache.layers, kinds, strict=True)]
+    return cache
+
+
 class PressAdapter(Wrapped):
     """An HFAdapter whose prefills run under a kvpress press; the queries continue from the compressed cache,
     so `runner.predict` (multi-query) and the audit's protocols and verdicts work unchanged.
@@ -272,11 +308,8 @@ class PressAdapter(Wrapped):
 
     def __init__(self, inner: HFAdapter, spec: str | PressSpec, stride: int | None = None):
         self.spec = parse_press(spec) if isinstance(spec, str) else spec
-        kinds = set(layer_kinds(inner.module))
-        if kinds != {TARGET}:
-            raise ValueError(f"press {self.spec.text}: {type(inner.module).__name__} has {'/'.join(sorted(kinds))} "
-                             "layers; kvpress 0.5.5 presses every attention layer's cache, including the windows and "
-                             "states the model bounds itself: use a post-hoc, kpool, slices or stagger condition")
+        self.kinds = layer_kinds(inner.module)
+        check_hybrid(self.spec, type(inner.module).__name__, self.kinds)
         if type(inner.module).__name__ not in VERIFIED_MODELS:
             raise ValueError(f"press {self.spec.text}: {type(inner.module).__name__} is not a model presses are "
                              f"verified on ({', '.join(VERIFIED_MODELS)})")
@@ -316,13 +349,22 @@ class PressAdapter(Wrapped):
     def prefill(self, ids: torch.Tensor):
         self._full_bytes = 0
         caches = []
+        hybrid = set(self.kinds) != {TARGET}
+        layers = full_attention_modules(self.inner, self.kinds) if hybrid else self.inner.attention_layers()
         for rows in ids.split(1) if self.rows_separately else [ids]:
-            with pressed(self.press, self.module, self.inner.attention_layers(), self._record):
+            with pressed(self.press, self.module, layers, self._record):
                 try:
                     past, length = self.inner.prefill(rows)
                 except AssertionError as exc:  # kvpress checks its settings (e.g. window < length) with assert
                     raise ValueError(f"press {self.spec.text}: {exc}") from None
-            caches.append(past)
+                except (RuntimeError, TypeError) as exc:
+                    if not hybrid:
+                        raise
+                    raise ValueError(f"press {self.spec.text}: kvpress failed on {type(self.module).__name__}'s "
+                                     f"full-attention layers ({str(exc).splitlines()[0]}); a press that re-derives "
+                                     "the queries (snapkv, tova) reads the model's own attention weights under "
+                                     "eager attention") from None
+            caches.append(offset_layers(past, self.kinds, length) if hybrid else past)
         self.bytes = {"full": self._full_bytes, "compressed": sum(cache_bytes(c) for c in caches)}
         return caches, length
 
