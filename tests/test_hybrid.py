@@ -354,6 +354,34 @@ def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path,
     assert "<h2>Layers</h2>" in page and f"({kinds[0]})" in page
 
 
+@needs_kvpress
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
+def test_the_audit_command_runs_a_press_on_a_hybrid_and_records_the_layers(tmp_path, monkeypatch, name):
+    from phasekv.auditing import pipeline
+    from phasekv.cli import main
+    from tests.helpers import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer()
+    model_dir = tmp_path / "model"
+    build(name, vocab=len(tokenizer), attention="sdpa").save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    evaluate = pipeline._evaluate
+
+    def gated(*args, **kwargs):  # a random model is at chance: let it through the capability gate
+        run = evaluate(*args, **kwargs)
+        run["metrics"]["can_do_task"] = True
+        return run
+
+    monkeypatch.setattr(pipeline, "_evaluate", gated)
+    assert main(["audit", "--hf", str(model_dir), "--records", "24", "--demos", "2", "--prompts-per-phase", "1",
+                 "--protocol", "prefix", "--compress", "none", "--press", "knorm:ratio=0.5", "--out",
+                 str(tmp_path / "audit"), "--no-progress", "--threads", "1"]) == 0
+    summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    kinds = FAMILIES[name][3]
+    (press,) = [c for c in summary["conditions"] if c != "none"]
+    assert summary["conditions"][press]["layers"]["compressed"] == [kinds.index("full")]
+
+
 def test_llama4s_chunked_layer_sees_exactly_its_own_chunk_the_grid_its_geometry_names():
     """Phase = position mod C relative to the chunk grid (`archs.llama4`): the chunked layer's output at t depends on
     the tokens floor(t / C) * C .. t and on nothing before; the global layer's does."""

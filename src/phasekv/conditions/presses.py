@@ -35,6 +35,10 @@ selects per row and head.  Lengths: contexts are never padded, every position is
 multiple of the chunk, some layers may keep that shorter chunk and others not; such a cache is continued
 one query token at a time (`PressAdapter.stepwise`), which is the same attention and needs no mask.
 
+Hybrid models (`conditions.hybrid`): the hooks go on the full-attention layers only, and each pressed layer
+becomes an `OffsetLayer` (fewer entries than positions seen); sliding-window, chunked and linear layers keep what
+the model's own prefill left.  `check_hybrid` refuses, in one line, what a press cannot do there.
+
 Layout: cache tensors are (B, H_kv, T, D), as in transformers' DynamicLayer.  A press keeps entries in
 its own order (score order for most): `kept_positions` reads which positions it kept.
 """
