@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from phasekv.adapters.base import ModelInfo
-from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
+from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class
+from phasekv.outputs import MARKER, PARTIAL
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid, point_name
 from phasekv.engines.registry import launcher
@@ -143,7 +144,8 @@ def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(t
     assert "phase sensitive, period 4" in table and table.count("\n") == 4
     assert {p.name for p in (out / "figures").iterdir()} == {"accuracy_query.png", "agreement_phase_query.png",
                                                              "agreement_query_phase_query.png"}
-    assert not work_dir(out).exists() and json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+    assert not (out / PARTIAL).exists() and [p.name for p in tmp_path.iterdir() if "out" in p.name] == ["out"]
+    assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
 
 
 def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokenizer, monkeypatch):
@@ -164,7 +166,8 @@ def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokeniz
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=4, progress=False)
-    assert not out.exists() and len(list(work_dir(out).glob("*/point.json"))) == 2
+    assert len(list((out / PARTIAL).glob("*/point.json"))) == 2  # the grid's work lies inside OUT, nothing beside it
+    assert {p.name for p in out.iterdir()} == {MARKER, PARTIAL}
     assert _servers_of(grid.binary) == []  # the server of the killed point was stopped
     with pytest.raises(ValueError, match="--resume"):
         run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=4, progress=False)

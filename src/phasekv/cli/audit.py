@@ -168,7 +168,7 @@ def run(args) -> dict[str, Any]:
         return run_sharded(args)
     if args.launch:
         return gate(args, expected, run_launched(args))
-    check_output_dir(Path(args.out), args.force)  # before loading anything
+    check_output_dir(Path(args.out), args.force, args.resume)  # before loading anything
     if args.eval_results:
         check_output_dir(Path(args.eval_results), args.force)
     device, dtype = args.device or "auto", args.dtype or "float32"
@@ -283,7 +283,7 @@ def run_sharded(args) -> dict[str, Any]:
     if args.endpoint is None or args.reference_hf is not None or args.expect or args.write_expect:
         raise ValueError("--shard: splits an --endpoint audit over machines: needs --endpoint, without "
                          "--reference-hf, --expect or --write-expect (run those on the merged audit's server)")
-    check_output_dir(Path(args.out), args.force)
+    check_output_dir(Path(args.out), args.force, args.resume)
     cfg = config_of(args)
     plan = AuditPlan(("none",), args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
     adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
@@ -401,12 +401,11 @@ def checks_of(args) -> dict:
 
 def run_launched(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf, load_tokenizer
-    from phasekv.auditing.engine_grid import check_work_dir, run_grid
+    from phasekv.auditing.engine_grid import run_grid
     from phasekv.outputs import check_output_dir
 
     grid = grid_of(args)
-    check_output_dir(Path(args.out), args.force)
-    check_work_dir(args.out, resume=args.resume, force=args.force)
+    check_output_dir(Path(args.out), args.force, args.resume)
     if args.threads:
         import torch
 

@@ -59,7 +59,7 @@ def run_endpoint(args) -> dict[str, Any]:
 
     cfg = from_section(EvalConfig, given_flags(args), "eval")
     check_prompt_count(prompts_at_least(cfg))
-    check_output_dir(Path(args.out), args.force)  # before anything is loaded or asked
+    check_output_dir(Path(args.out), args.force, args.resume)  # before anything is loaded or asked
     reference = None
     if args.reference_hf is not None:
         import torch
