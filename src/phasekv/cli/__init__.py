@@ -110,12 +110,13 @@ def check_inputs_untouched(args: argparse.Namespace) -> None:
               and not (name in FILE_INPUTS and not os.path.isfile(path))]
     writes = list(_given(args, WRITE_FLAGS))
     for i, (flag, target) in enumerate(writes):
-        for name, source in [*inputs, *writes[i + 1:]]:
-            relation = _relation(target, source)
-            if relation is not None:
-                kind = "the output" if name in WRITE_FLAGS else "the input"
-                raise ValueError(f"{_flag(flag)} {target}: {relation} {kind} {_flag(name)} {source}; phasekv never "
-                                 "writes over what it reads or writes twice: choose another path")
+        met = [(relation, name, source) for name, source in [*inputs, *writes[i + 1:]]
+               if (relation := _relation(target, source)) is not None]
+        if met:  # the closest first: the file itself, then a folder holding it
+            relation, name, source = min(met, key=lambda m: ("is", "holds", "lies inside").index(m[0]))
+            kind = "the output" if name in WRITE_FLAGS else "the input"
+            raise ValueError(f"{_flag(flag)} {target}: {relation} {kind} {_flag(name)} {source}; phasekv never "
+                             "writes over what it reads or writes twice: choose another path")
 
 
 @contextlib.contextmanager
