@@ -75,9 +75,9 @@ def test_force_replaces_only_what_phasekv_wrote(tmp_path):
     (out / "mine").mkdir()
     (out / "mine" / "notes.txt").write_text("a user's notes")
     kept = digest(out)
-    with pytest.raises(ValueError, match=r"holds mine/notes.txt, which phasekv did not write"):
-        with output_dir(out, force=True) as tmp:
-            write_json(tmp / "a.json", {"a": 2})
+    with pytest.raises(ValueError, match=r"holds mine/notes.txt, which phasekv did not write"), \
+            output_dir(out, force=True) as tmp:
+        write_json(tmp / "a.json", {"a": 2})
     assert digest(out) == kept and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     (out / "mine" / "notes.txt").unlink()
     (out / "mine").rmdir()
@@ -312,3 +312,83 @@ def test_train_indexer_resumes_only_its_own_seed_and_model(ws, tmp_path, capsys,
     monkeypatch.setattr(distill_indexer, "features", killed)  # a resume reuses the features: never recomputed
     assert main(_indexer_argv(ws / "hf", out)) == 0
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "indexer.json", "indexer.safetensors"]
+
+
+# ----------------------------------------------------------------------------- exporters verify, disks fill
+
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF_CHECKPOINT = REPO / "checkpoints" / "dsv4-csa"
+
+
+def test_the_gguf_export_reads_back_what_it_wrote_and_a_bad_file_leaves_none(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("gguf")
+    from phasekv.export import gguf_check
+
+    out = tmp_path / "m.gguf"
+    assert main(["export", "gguf", "--checkpoint", str(GGUF_CHECKPOINT), "--out", str(out)]) == 0
+    first = out.read_bytes()
+    capsys.readouterr()
+    real = gguf_check.publish_gguf
+
+    def damaged(tmp, target, expected):  # the disk (or the writer) changed a byte of the last tensor's data
+        with open(tmp, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        real(tmp, target, expected)
+
+    monkeypatch.setattr(gguf_check, "publish_gguf", damaged)
+    line = one_line(main(["export", "gguf", "--checkpoint", str(GGUF_CHECKPOINT), "--out", str(out), "--force"]),
+                    capsys.readouterr().err)
+    assert "reads back with another checksum than was written" in line and "nothing was written" in line
+    assert out.read_bytes() == first and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+    def truncated(tmp, target, expected):
+        os.truncate(tmp, os.path.getsize(tmp) // 2)
+        real(tmp, target, expected)
+
+    monkeypatch.setattr(gguf_check, "publish_gguf", truncated)
+    line = one_line(main(["export", "gguf", "--checkpoint", str(GGUF_CHECKPOINT), "--out", str(out), "--force"]),
+                    capsys.readouterr().err)
+    assert "the written GGUF file does not read back" in line or "lacks or adds tensor" in line, line
+    assert out.read_bytes() == first and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_during_gguf_export_names_the_bytes_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"the previous export")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", _enospc)
+    line = one_line(main(["export", "gguf", "--checkpoint", str(GGUF_CHECKPOINT), "--out", str(out), "--force"]),
+                    capsys.readouterr().err)
+    assert "no space left on" in line and f"writing {out} (needs at least" in line and "bytes free" in line
+    assert out.read_bytes() == b"the previous export" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_full_disk_under_an_output_keeps_the_previous_one(tmp_path, monkeypatch):
+    from phasekv import outputs
+
+    out = tmp_path / "out"
+    with output_dir(out) as tmp:
+        write_json(tmp / "summary.json", {"run": 1})
+    kept = digest(out)
+    real = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: _enospc() if self.name == "summary.json"
+                        else real(self, *a, **k))
+    with pytest.raises(outputs.OutputError, match=r"no space left on .* writing .*summary.json \(needs at least "
+                                                  r"1\d bytes, [\d,]+ bytes free\)"), \
+            output_dir(out, force=True) as tmp:
+        write_json(tmp / "summary.json", {"run": 2})
+    assert digest(out) == kept and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    expect = tmp_path / "expect.json"
+    expect.write_text("{}")
+    monkeypatch.setattr(os, "fsync", _enospc)
+    with pytest.raises(outputs.OutputError, match=r"writing .*expect.json \(needs at least 15 bytes"):
+        write_json(expect, {"run": 2}, atomic=True)
+    assert expect.read_bytes() == b"{}" and sorted(p.name for p in tmp_path.iterdir()) == ["expect.json", "out"]

@@ -81,17 +81,19 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
-def write_error(exc: OSError, path: str | Path) -> OutputError:
-    """The one-line error of a failed write of `path`: "no space left on MOUNT writing PATH" for a full disk (also
-    when the writer lost the errno), else "cannot write PATH: CAUSE"."""
+def write_error(exc: OSError, path: str | Path, needed: int | None = None) -> OutputError:
+    """The one-line error of a failed write of `path`: "no space left on MOUNT writing PATH (needs at least N bytes,
+    F free)" for a full disk (also when the writer lost the errno; N: `needed`, what the write holds, when known),
+    else "cannot write PATH: CAUSE"."""
     if isinstance(exc, OutputError):
         return exc
     path = Path(path)
     free = _free_bytes(path)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT) or exc.errno is None and free is not None and free < _NEARLY_FULL:
         quota = " (the disk quota)" if exc.errno == errno.EDQUOT else ""
-        return OutputError(f"no space left on {_mount_point(path)}{quota} writing {path} ({free or 0:,} bytes free); "
-                           "free some space or write elsewhere")
+        need = f"needs at least {needed:,} bytes, " if needed else ""
+        return OutputError(f"no space left on {_mount_point(path)}{quota} writing {path} ({need}{free or 0:,} bytes "
+                           "free); free some space or write elsewhere")
     cause = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
     return OutputError(f"cannot write {path}: {cause}")
 
@@ -101,18 +103,24 @@ def _full(exc: OSError, path: str | Path) -> bool:
     return exc.errno in _WRITE_ERRNOS or free is not None and free < _NEARLY_FULL
 
 
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (what a write had put there when it failed)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 @contextlib.contextmanager
-def writing(path: str | Path, block: bool = False) -> Iterator[None]:
+def writing(path: str | Path, block: bool = False, needed: Any = None) -> Iterator[None]:
     """Turn a failed write inside the block into `write_error` naming `path` (or the file the error names).
     `block`: the block does more than write (`output_dir`'s), so only errors that writes alone give (a full disk,
-    a read-only file system) are turned; others keep their own message."""
+    a read-only file system) are turned; others keep their own message.  `needed`: the bytes the write holds, or a
+    function that counts them when it failed."""
     try:
         yield
     except OutputError:
         raise
     except OSError as exc:
         if _full(exc, exc.filename or path) or not block and exc.filename is None:
-            raise write_error(exc, exc.filename or path) from None
+            raise write_error(exc, exc.filename or path, needed() if callable(needed) else needed) from None
         raise
 
 
@@ -121,7 +129,7 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     data = content if isinstance(content, bytes) else content.encode()
     try:
-        with writing(path), open(tmp, "wb") as f:
+        with writing(path, needed=len(data)), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -141,7 +149,7 @@ def write_json(path: Path, data: Any, *, indent: int = 2, sort_keys: bool = True
     if atomic:
         write_atomic(path, text)
     else:
-        with writing(path):
+        with writing(path, needed=len(text.encode())):
             path.write_text(text)
     return path
 
@@ -369,7 +377,7 @@ def output_dir(out: str | Path, force: bool = False, resume: bool = False) -> It
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        with writing(out, block=True):
+        with writing(out, block=True, needed=lambda: tree_bytes(tmp)):
             mark(tmp)
             yield tmp
             publish_checked(tmp, out, force)

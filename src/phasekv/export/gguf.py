@@ -302,7 +302,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     import gguf
     import numpy as np
 
-    from phasekv.export.gguf_check import fingerprint, publish_gguf
+    from phasekv.export.gguf_check import fingerprint, publish_gguf, tensor_bytes
     from phasekv.outputs import write_error
 
     if dtype not in DTYPES:
@@ -311,7 +311,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     arch = layout(config)
     out = Path(out)
     keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + getattr(arch, "KEEP_F32", ())
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp, written = out.with_name(f".{out.name}.tmp-{os.getpid()}"), {}
     writer = gguf.GGUFWriter(str(tmp), arch.ARCH)
     try:
         writer.add_name(name)
@@ -331,7 +331,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.add_pad_token_id(tokens.index("<pad>"))
         writer.add_add_bos_token(False)  # phasekv prompts start with <bos> themselves
         writer.add_add_eos_token(False)
-        tensors, written = arch.gguf_tensors(model), {}
+        tensors = arch.gguf_tensors(model)
         for gguf_name, t, source in tensors:
             array = t.detach().cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy()
             if dtype == "f16" and array.ndim >= 2 and not any(k in source for k in keep_f32):
@@ -344,7 +344,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
         writer.close()
         publish_gguf(tmp, out, written)
     except OSError as exc:  # numpy's short write ("32768 requested and 19496 written") carries no errno
-        raise write_error(exc, out) from None
+        raise write_error(exc, out, tensor_bytes(written)) from None
     finally:
         with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too
             writer.close()

@@ -14,6 +14,13 @@ def fingerprint(array: Any) -> tuple[tuple[int, ...], str, str]:
     return tuple(array.shape), str(array.dtype), hashlib.sha256(array.tobytes()).hexdigest()
 
 
+def tensor_bytes(expected: dict[str, tuple[tuple[int, ...], str, str]]) -> int:
+    """The bytes of the tensors' data (`fingerprint`s): what a GGUF file of them needs at least."""
+    import numpy as np
+
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in expected.values())
+
+
 def verify_gguf(path: Path, expected: dict[str, tuple[tuple[int, ...], str, str]], shown: Path) -> None:
     """Refuse, in one line naming `shown` (the file being published) and the first difference, a written GGUF file
     whose tensors are not `expected` ({name: `fingerprint`})."""
