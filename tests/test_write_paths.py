@@ -392,3 +392,55 @@ def test_a_full_disk_under_an_output_keeps_the_previous_one(tmp_path, monkeypatc
     with pytest.raises(outputs.OutputError, match=r"writing .*expect.json \(needs at least 15 bytes"):
         write_json(expect, {"run": 2}, atomic=True)
     assert expect.read_bytes() == b"{}" and sorted(p.name for p in tmp_path.iterdir()) == ["expect.json", "out"]
+
+
+# ----------------------------------------------------------------------------- a reference of another model
+
+
+def _gguf(path: Path, scale: float) -> Path:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", (np.arange(64, dtype=np.float32) * scale).reshape(8, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_reference_of_other_weights_or_another_vocabulary_is_refused(tmp_path):
+    import argparse
+
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from phasekv.cli.flags import check_reference_model
+
+    def words(*vocab):
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+            {w: i for i, w in enumerate(["<unk>", *vocab])}, unk_token="<unk>")), unk_token="<unk>")
+
+    (tmp_path / "ref").mkdir()
+    served = _gguf(tmp_path / "served.gguf", 1.0)
+    args = argparse.Namespace(reference_hf=str(tmp_path / "ref"), tokenizer="tok", gguf_file="m.gguf")
+    _gguf(tmp_path / "ref" / "m.gguf", 1.0)  # the same weights, another file: accepted
+    check_reference_model(args, words("a", "b"), words("a", "b"), served=str(served))
+    with pytest.raises(ValueError, match=r"its vocabulary \(3 tokens, fingerprint \w+\) is not the served model's "
+                                         r"\(--tokenizer tok: 3 tokens"):
+        check_reference_model(args, words("a", "c"), words("a", "b"))
+    _gguf(tmp_path / "ref" / "m.gguf", 2.0)
+    with pytest.raises(ValueError, match=r"its weights .*m.gguf \(fingerprint \w+\) are not the served model's"):
+        check_reference_model(args, words("a", "b"), words("a", "b"), served=str(served))
+
+
+def test_a_missing_reference_says_so_before_anything_runs(tmp_path, capsys):
+    tok = _tiny_hf(tmp_path, VOCAB.words)
+    capsys.readouterr()
+    for reference, gguf, match in [(tmp_path / "nowhere", [], "no such model directory"),
+                                   (tok, ["--gguf-file", "absent.gguf"], "holds no GGUF file absent.gguf")]:
+        code = main(["audit", "--endpoint", "http://127.0.0.1:1", "--tokenizer", str(tok), *gguf, "--reference-hf",
+                     str(reference), "--out", str(tmp_path / "out")])
+        assert match in one_line(code, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()

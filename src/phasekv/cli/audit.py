@@ -11,7 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, check_source_flags, endpoint_options
+from phasekv.cli.flags import (
+    add_endpoint_arguments,
+    add_launch_arguments,
+    check_reference_model,
+    check_source_flags,
+    endpoint_options,
+)
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 from phasekv.data.longcontext import PRESETS
@@ -179,14 +185,16 @@ def run(args) -> dict[str, Any]:
     check_reference(args.endpoint is not None, args.reference_hf)
     cfg = config_of(args)
     plan = AuditPlan(conditions, args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
-    reference = None
+    reference = reference_tokenizer = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
+        reference, reference_tokenizer = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
     else:
         adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
+        if reference is not None:
+            check_reference_model(args, reference_tokenizer, tokenizer)
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
                             progress=not args.no_progress, reference=reference, long_context=long_spec(args))
     finally:
@@ -414,8 +422,9 @@ def run_launched(args) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.tokenizer, args.gguf_file, flag="--tokenizer")
     reference = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
-                               gguf_file=args.gguf_file)
+        reference, reference_tokenizer = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
+                                                 gguf_file=args.gguf_file)
+        check_reference_model(args, reference_tokenizer, tokenizer, served=str(grid.model))
     summary = run_grid(grid, tokenizer, cfg, args.out, protocols=tuple(dict.fromkeys(args.protocol)),
                        per_phase=args.prompts_per_phase, reference=reference, checks=checks_of(args), force=args.force,
                        resume=args.resume, progress=not args.no_progress)

@@ -54,3 +54,16 @@ def publish_gguf(tmp: Path, out: Path, expected: dict[str, tuple[tuple[int, ...]
     verify_gguf(tmp, expected, out)
     os.replace(tmp, out)
     fsync_dir(out.parent)
+
+
+def weights_fingerprint(path: Path) -> str:
+    """A GGUF file's weights, identified: every tensor's name, shape, type and the first and last bytes of its data
+    (two exports of one model agree; another model, or the same one re-quantized, does not)."""
+    import gguf
+
+    digest = hashlib.sha256()
+    for t in sorted(gguf.GGUFReader(str(path)).tensors, key=lambda t: t.name):
+        data = t.data.reshape(-1).view("uint8") if t.data.size else t.data
+        digest.update(f"{t.name}{tuple(int(n) for n in t.shape)}{int(t.tensor_type)}".encode())
+        digest.update(bytes(data[:64]) + bytes(data[-64:]))
+    return digest.hexdigest()[:16]
