@@ -12,10 +12,10 @@ import torch
 
 from phasekv.adapters.base import ModelInfo
 from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class
-from phasekv.outputs import MARKER, PARTIAL
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid, point_name
 from phasekv.engines.registry import launcher
+from phasekv.outputs import MARKER, PARTIAL
 from tests.fake_llama_server import induction
 from tests.helpers import PromptAdapter, bpe_tokenizer
 
