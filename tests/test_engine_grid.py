@@ -148,6 +148,25 @@ def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(t
     assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
 
 
+def test_force_and_resume_never_delete_a_users_files(tmp_path, tokenizer):
+    """The issue's case: a user's out.grid/mine/notes.txt beside OUT is never touched (the grid works inside OUT),
+    and --force over an OUT a user added a file to is refused with the file kept."""
+    cfg = audit_config(**CFG)
+    grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=8"]))
+    out, mine = tmp_path / "out", tmp_path / "out.grid" / "mine" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep")
+    run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False)
+    (out / "notes.txt").write_text("mine too")
+    for flags in ({"force": True}, {"force": True, "resume": True}, {"resume": True}):
+        with pytest.raises(ValueError, match="which phasekv did not write|exists and is not empty"):
+            run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False, **flags)
+    assert (out / "notes.txt").read_text() == "mine too" and (out / "summary.json").is_file()
+    (out / "notes.txt").unlink()
+    run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False, force=True, resume=True)
+    assert mine.read_text() == "keep" and (out / "summary.json").is_file() and not (out / PARTIAL).exists()
+
+
 def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokenizer, monkeypatch):
     from phasekv.auditing import engine_grid
 

@@ -227,7 +227,7 @@ def test_each_command_writes_only_its_out(command, ws, tmp_path):
     _run_leaves_only_out([*argv, "--force"], parent, [run, hf, ws / "model"])  # --force over its own output
 
 
-def test_grid_force_and_resume_keep_a_users_files(ws, tmp_path, capsys):
+def test_force_over_a_finished_output_keeps_a_users_files(ws, tmp_path, capsys):
     """--force over an output phasekv wrote but a user added to is refused, the user's file kept; a sibling folder
     named like the old grid work folder (OUT.grid) is never touched."""
     out = tmp_path / "out"
