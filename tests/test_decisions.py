@@ -254,12 +254,16 @@ def test_outputs_resume_and_atomicity(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_decide(dying, prompts, out, conditions=["select:3"], settings=settings, progress=False)
-    assert not out.exists()
+    assert sorted(p.name for p in out.iterdir()) == [".partial", ".phasekv-output"]  # the work inside OUT only
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    journal = out / ".partial" / "decide_journal.jsonl"
+    kept = journal.read_bytes()
     with pytest.raises(ValueError, match="pass --resume"):
         run_decide(score, prompts, out, conditions=["select:3"], settings=settings, progress=False)
     with pytest.raises(ValueError, match="another model, prompt set or settings"):
         run_decide(score, prompts, out, conditions=["select:3"], settings={**settings, "model": "other"},
                    resume=True, progress=False)
+    assert journal.read_bytes() == kept  # a refused journal is left as it was
     calls.clear()
     resumed = run_decide(dying, prompts, out, conditions=["select:3"], settings=settings, resume=True,
                          progress=False)
@@ -269,7 +273,7 @@ def test_outputs_resume_and_atomicity(tmp_path):
     assert {k: v for k, v in resumed["conditions"].items()} == fresh["conditions"]
     assert sorted(p.name for p in out.iterdir()) == [".phasekv-output", "decisions.jsonl", "figures", "items.jsonl",
                                                      "report.html", "summary.json"]
-    assert not any(p.name.endswith("tmp-journal") for p in tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "out"]
     page = (out / "report.html").read_text()
     assert page.count("<img") == 1 and "decisions phase sensitive" in page and "padding alone" in page
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]

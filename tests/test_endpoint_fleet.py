@@ -186,7 +186,9 @@ def test_sigterm_leaves_a_partial_summary_and_resume_completes_the_same_audit(tm
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=60)[1]
-        assert proc.returncode == 130 and "interrupted" in err and not out.exists()
+        assert proc.returncode == 130 and "interrupted" in err  # the answers so far inside OUT, nothing beside it
+        assert {p.name for p in out.iterdir()} == {".phasekv-output", ".partial"}
+        assert sorted(p.name for p in tmp_path.iterdir() if "cut" in p.name) == ["cut"]
         partial = json.loads((journal_dir(out) / "partial_summary.json").read_text())
         assert partial["partial"] is True and 0 < partial["answered"] < partial["prompts"]
         assert main(["audit", "--endpoint", urls[0], *flags, "--resume", "--out", str(out)]) == 0

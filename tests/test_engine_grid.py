@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from phasekv.adapters.base import ModelInfo
-from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class, work_dir
+from phasekv.auditing.engine_grid import EngineGrid, grid_sets, run_grid, verdict_class
 from phasekv.config import audit_config
 from phasekv.engines.base import parse_grid, point_name
 from phasekv.engines.registry import launcher
+from phasekv.outputs import MARKER, PARTIAL
 from tests.fake_llama_server import induction
 from tests.helpers import PromptAdapter, bpe_tokenizer
 
@@ -143,7 +144,27 @@ def test_a_ubatch_below_the_prompt_length_shows_the_planted_bug_and_only_there(t
     assert "phase sensitive, period 4" in table and table.count("\n") == 4
     assert {p.name for p in (out / "figures").iterdir()} == {"accuracy_query.png", "agreement_phase_query.png",
                                                              "agreement_query_phase_query.png"}
-    assert not work_dir(out).exists() and json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+    assert not (out / PARTIAL).exists() and [p.name for p in tmp_path.iterdir() if "out" in p.name] == ["out"]
+    assert json.loads((out / "summary.json").read_text())["rows"] == summary["rows"]
+
+
+def test_force_and_resume_never_delete_a_users_files(tmp_path, tokenizer):
+    """The issue's case: a user's out.grid/mine/notes.txt beside OUT is never touched (the grid works inside OUT),
+    and --force over an OUT a user added a file to is refused with the file kept."""
+    cfg = audit_config(**CFG)
+    grid = _grid(tmp_path, tokenizer, parse_grid(LLAMA, ["ubatch=8"]))
+    out, mine = tmp_path / "out", tmp_path / "out.grid" / "mine" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep")
+    run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False)
+    (out / "notes.txt").write_text("mine too")
+    for flags in ({"force": True}, {"force": True, "resume": True}, {"resume": True}):
+        with pytest.raises(ValueError, match="which phasekv did not write|exists and is not empty"):
+            run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False, **flags)
+    assert (out / "notes.txt").read_text() == "mine too" and (out / "summary.json").is_file()
+    (out / "notes.txt").unlink()
+    run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=2, progress=False, force=True, resume=True)
+    assert mine.read_text() == "keep" and (out / "summary.json").is_file() and not (out / PARTIAL).exists()
 
 
 def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokenizer, monkeypatch):
@@ -164,7 +185,8 @@ def test_a_killed_grid_resumes_without_redoing_finished_points(tmp_path, tokeniz
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=4, progress=False)
-    assert not out.exists() and len(list(work_dir(out).glob("*/point.json"))) == 2
+    assert len(list((out / PARTIAL).glob("*/point.json"))) == 2  # the grid's work lies inside OUT, nothing beside it
+    assert {p.name for p in out.iterdir()} == {MARKER, PARTIAL}
     assert _servers_of(grid.binary) == []  # the server of the killed point was stopped
     with pytest.raises(ValueError, match="--resume"):
         run_grid(grid, tokenizer, cfg, out, protocols=("prefix",), per_phase=4, progress=False)

@@ -1238,8 +1238,8 @@ def test_a_redirect_is_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
 
 
 def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, tokenizer_dir, capsys):
-    """A refused run leaves nothing; a failed run keeps its journal only inside OUT's temporary directory (never a
-    file beside OUT); a journal line without an answer's fields is named with its line; --resume publishes the
+    """A refused run leaves nothing; a failed run keeps its journal only inside OUT (OUT/.partial, never a file
+    beside OUT); a journal line without an answer's fields is named with its line; --resume publishes the
     journal inside OUT and nothing else remains."""
     from phasekv.engines.journal import journal_path
 
@@ -1257,7 +1257,8 @@ def test_the_journal_lives_inside_the_output_and_a_bad_line_is_named(tmp_path, t
     assert code == 2 and "slot unavailable" in line, line
     journal = journal_path(out)
     assert journal.is_file() and len(journal.read_text().splitlines()) == 5  # header, prompt set, 3 answers
-    assert all(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()), sorted(p.name for p in tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the journal inside OUT, nothing beside it
+    assert {p.name for p in out.iterdir()} == {outputs_mod.MARKER, outputs_mod.PARTIAL}
 
     lines = journal.read_text().splitlines()
     journal.write_text("\n".join([*lines, '{"key": "abc"}']) + "\n")  # complete JSON, no answer

@@ -12,12 +12,13 @@ prefix_cache=on: `Launcher.caches_prefix`) is audited with --reuse-prefix, so th
 other points refuse any cached token unless the grid reuses prefixes everywhere.  The per-point checks (`checks`:
 decode steps, prefix-cache and batch paths, `phasekv.auditing.engine_paths`) add their own results.
 
-Resuming: the grid works in OUT.grid/ beside OUT (as a journal lives beside OUT) and publishes each finished point
-there atomically as OUT.grid/POINT/ (`phasekv.outputs.output_dir`); a point's answers are journaled as they arrive
-(OUT.grid/POINT.journal.jsonl).  A killed grid run again with `resume` skips the finished points and sends only the
-unanswered prompts of the point it was killed in.  When every point is done OUT is published (points/, grid.json,
-grid.md, figures/, summary.json) and OUT.grid/ removed.  A point whose server does not come up, or dies while
-serving, is a row of the table with the one-line reason (and is tried again on resume).
+Resuming: the grid works inside OUT, in its resumable work OUT/.partial/ (`phasekv.outputs.partial_dir`, never
+beside OUT), and publishes each finished point there atomically as OUT/.partial/POINT/ (`phasekv.outputs.output_dir`);
+a point's answers are journaled as they arrive (in OUT/.partial/POINT/.partial/).  A killed grid run again with
+`resume` skips the finished points and sends only the unanswered prompts of the point it was killed in.  When every
+point is done OUT is published (points/, grid.json, grid.md, figures/, summary.json) in place of its work.  A point
+whose server does not come up, or dies while serving, is a row of the table with the one-line reason (and is tried
+again on resume).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from phasekv.evaluate.runner import predict, write_run
 from phasekv.evaluate.served import compare, reference_logprobs
 from phasekv.evaluate.sources import audit_clusters, prompt_settings, tokenizer_vocabulary
 from phasekv.figures.engines import plot_setting_residue
-from phasekv.outputs import check_output_dir, output_dir, write_json
+from phasekv.outputs import check_output_dir, output_dir, partial_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -93,34 +94,16 @@ def grid_sets(tokenizer: Any, cfg: EvalConfig, protocols: Sequence[str], per_pha
         **base, "n_clusters": audit_clusters(per_phase, record, p, cfg.stride)}) for p in protocols}
 
 
-def work_dir(out: str | Path) -> Path:
-    """Where a grid's finished points wait until the whole grid is published: beside OUT."""
-    out = Path(out)
-    return out.with_name(out.name + ".grid")
-
-
-def check_work_dir(out: str | Path, *, resume: bool, force: bool) -> None:
-    """A grid's work directory from an interrupted run is continued only with `resume`, replaced with `force`."""
-    work = work_dir(out)
-    if work.exists() and not resume:
-        if not force:
-            raise ValueError(f"{work}: the points of an interrupted grid exist: pass --resume to continue it (finished "
-                             "points are not run again) or --force to start over")
-        shutil.rmtree(work)
-
-
 def run_grid(grid: EngineGrid, tokenizer: Any, cfg: EvalConfig, out: str | Path, *, protocols: Sequence[str],
              per_phase: int, reference: Adapter | None = None, checks: dict[str, Check] | None = None,
              force: bool = False, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run every point of `grid` (module docstring) and publish OUT; returns OUT/summary.json's content."""
-    out, work = Path(out), work_dir(out)
-    check_output_dir(out, force)
-    check_work_dir(out, resume=resume, force=force)
+    check_output_dir(out, force, resume)
     started_at = time.perf_counter()
     sets = grid_sets(tokenizer, cfg, protocols, per_phase)
     logprobs = ({p: reference_logprobs(reference, s, cfg.batch_size or 16) for p, s in sets.items()}
                 if reference is not None else {})
-    work.mkdir(parents=True, exist_ok=True)
+    work = partial_dir(out, force=force, resume=resume)
     points = []
     for settings in tqdm(grid.points, desc="engine grid", unit="point", disable=not progress):
         points.append(_point(grid, settings, sets, work, cfg=cfg, vocab_size=len(tokenizer), logprobs=logprobs,
@@ -131,7 +114,7 @@ def run_grid(grid: EngineGrid, tokenizer: Any, cfg: EvalConfig, out: str | Path,
                "stride": cfg.stride, "format": cfg.format, "prompts_per_phase": per_phase,
                "grid": [p["settings"] for p in points], "points": points, "rows": rows,
                "elapsed_s": round(time.perf_counter() - started_at, 1)}
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, resume=True) as tmp:  # in place of the grid's work
         for p in points:
             if "failed" not in p:
                 shutil.copytree(work / p["name"], tmp / "points" / p["name"])
@@ -139,7 +122,6 @@ def run_grid(grid: EngineGrid, tokenizer: Any, cfg: EvalConfig, out: str | Path,
         (tmp / "grid.md").write_text(grid_markdown(rows, protocols))
         write_figures(points, protocols, cfg.stride, tmp / "figures")
         write_json(tmp / "summary.json", summary)
-    shutil.rmtree(work, ignore_errors=True)
     return summary
 
 

@@ -62,33 +62,61 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 
 # flags whose value is something the command reads (a checkpoint, a model directory, a config, a tokenizer...)
 INPUT_FLAGS = ("checkpoint", "hf", "config", "tokenizer", "checkpoints", "configs", "format", "reference_hf", "expect",
-               "engine_model")
-POSITIONAL_INPUTS = ("config",)  # `phasekv train CONFIG`
+               "engine_model", "engine_bin", "shards")
+POSITIONAL_INPUTS = ("config", "shards")  # `phasekv train CONFIG`, `phasekv audit merge DIR...`
 # inputs that are files (a directory there is refused by the command itself)
-FILE_INPUTS = ("config", "format", "expect")  # (--engine-model: a file, or a folder for vLLM)
+FILE_INPUTS = ("config", "format", "expect", "engine_bin")  # (--engine-model: a file, or a folder for vLLM)
+# flags whose value the command writes: --out is replaced as a whole, the others are written or replaced too
+WRITE_FLAGS = ("out", "hf_out", "eval_results", "bundle", "write_expect")
+
+
+def _flag(name: str) -> str:
+    return name if name in POSITIONAL_INPUTS else f"--{name.replace('_', '-')}"
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """(flag name, path) of every path among `names` the command was given (a list flag: each of its paths); with
+    --gguf-file, the GGUF file inside --hf or --tokenizer too."""
+    for name in names:
+        value = getattr(args, name, None)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, str) and path:
+                yield name, path
+    gguf = getattr(args, "gguf_file", None)
+    if isinstance(gguf, str) and gguf and "hf" in names:
+        for name in ("hf", "tokenizer"):
+            folder = getattr(args, name, None)
+            if isinstance(folder, str) and folder:
+                yield "gguf_file", os.path.join(folder, gguf)
+
+
+def _relation(target: str, source: str) -> str | None:
+    """How the written path `target` meets the path `source`: it "is" it (a symlink or a hard link too), "holds"
+    it, or "lies inside" it; None when they are apart."""
+    written, given = Path(os.path.realpath(target)), Path(os.path.realpath(source))
+    if written == given or (os.path.exists(target) and os.path.exists(source) and os.path.samefile(target, source)):
+        return "is"
+    return "holds" if written in given.parents else "lies inside" if given in written.parents else None
 
 
 def check_inputs_untouched(args: argparse.Namespace) -> None:
-    """Refuse an empty --out, and an --out that is, holds or lies inside one of the command's inputs: publishing
-    --out replaces the directory, so with --force it would delete what the command was given."""
-    out = getattr(args, "out", None)
-    if out == "":
+    """Refuse an empty --out, and any path the command writes (--out, --hf-out, --eval-results, --bundle,
+    --write-expect) that is, holds or lies inside one of the command's inputs (a symlink or a hard link to it
+    included) or another path it writes: publishing replaces it, so it would overwrite or, with --force, delete what
+    the command was given.  Checked before anything runs."""
+    if getattr(args, "out", None) == "":
         raise ValueError("--out: is empty; give the path of the output directory")
-    if not isinstance(out, str):
-        return
-    target = Path(os.path.realpath(out))
-    for name in INPUT_FLAGS:
-        value = getattr(args, name, None)
-        if not isinstance(value, str) or not value or not os.path.exists(value):
-            continue
-        if name in FILE_INPUTS and not os.path.isfile(value):
-            continue
-        source = Path(os.path.realpath(value))
-        if target == source or target in source.parents or source in target.parents:
-            relation = ("is" if target == source else "holds" if target in source.parents else "lies inside")
-            label = name if name in POSITIONAL_INPUTS else f"--{name.replace('_', '-')}"
-            raise ValueError(f"--out {out}: {relation} the input {label} {value}; phasekv never writes over what it "
-                             "reads: choose another --out")
+    inputs = [(name, path) for name, path in _given(args, INPUT_FLAGS) if os.path.exists(path)
+              and not (name in FILE_INPUTS and not os.path.isfile(path))]
+    writes = list(_given(args, WRITE_FLAGS))
+    for i, (flag, target) in enumerate(writes):
+        met = [(relation, name, source) for name, source in [*inputs, *writes[i + 1:]]
+               if (relation := _relation(target, source)) is not None]
+        if met:  # the closest first: the file itself, then a folder holding it
+            relation, name, source = min(met, key=lambda m: ("is", "holds", "lies inside").index(m[0]))
+            kind = "the output" if name in WRITE_FLAGS else "the input"
+            raise ValueError(f"{_flag(flag)} {target}: {relation} {kind} {_flag(name)} {source}; phasekv never "
+                             "writes over what it reads or writes twice: choose another path")
 
 
 @contextlib.contextmanager

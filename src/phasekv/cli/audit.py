@@ -11,7 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasekv.cli.flags import add_endpoint_arguments, add_launch_arguments, check_source_flags, endpoint_options
+from phasekv.cli.flags import (
+    add_endpoint_arguments,
+    add_launch_arguments,
+    check_reference_model,
+    check_source_flags,
+    endpoint_options,
+)
 from phasekv.config import AUDIT_DEFAULTS, DEFAULT_CONDITIONS, EVAL_PROTOCOLS, PROTOCOLS, AuditPlan
 from phasekv.data.formats import FORMATS
 from phasekv.data.longcontext import PRESETS
@@ -168,7 +174,7 @@ def run(args) -> dict[str, Any]:
         return run_sharded(args)
     if args.launch:
         return gate(args, expected, run_launched(args))
-    check_output_dir(Path(args.out), args.force)  # before loading anything
+    check_output_dir(Path(args.out), args.force, args.resume)  # before loading anything
     if args.eval_results:
         check_output_dir(Path(args.eval_results), args.force)
     device, dtype = args.device or "auto", args.dtype or "float32"
@@ -179,14 +185,16 @@ def run(args) -> dict[str, Any]:
     check_reference(args.endpoint is not None, args.reference_hf)
     cfg = config_of(args)
     plan = AuditPlan(conditions, args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
-    reference = None
+    reference = reference_tokenizer = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
+        reference, reference_tokenizer = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
     else:
         adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
+        if reference is not None:
+            check_reference_model(args, reference_tokenizer, tokenizer)
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
                             progress=not args.no_progress, reference=reference, long_context=long_spec(args))
     finally:
@@ -283,7 +291,7 @@ def run_sharded(args) -> dict[str, Any]:
     if args.endpoint is None or args.reference_hf is not None or args.expect or args.write_expect:
         raise ValueError("--shard: splits an --endpoint audit over machines: needs --endpoint, without "
                          "--reference-hf, --expect or --write-expect (run those on the merged audit's server)")
-    check_output_dir(Path(args.out), args.force)
+    check_output_dir(Path(args.out), args.force, args.resume)
     cfg = config_of(args)
     plan = AuditPlan(("none",), args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
     adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
@@ -401,12 +409,11 @@ def checks_of(args) -> dict:
 
 def run_launched(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf, load_tokenizer
-    from phasekv.auditing.engine_grid import check_work_dir, run_grid
+    from phasekv.auditing.engine_grid import run_grid
     from phasekv.outputs import check_output_dir
 
     grid = grid_of(args)
-    check_output_dir(Path(args.out), args.force)
-    check_work_dir(args.out, resume=args.resume, force=args.force)
+    check_output_dir(Path(args.out), args.force, args.resume)
     if args.threads:
         import torch
 
@@ -415,8 +422,9 @@ def run_launched(args) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.tokenizer, args.gguf_file, flag="--tokenizer")
     reference = None
     if args.reference_hf is not None:
-        reference, _ = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
-                               gguf_file=args.gguf_file)
+        reference, reference_tokenizer = load_hf(args.reference_hf, args.device or "auto", args.dtype or "float32",
+                                                 gguf_file=args.gguf_file)
+        check_reference_model(args, reference_tokenizer, tokenizer, served=str(grid.model))
     summary = run_grid(grid, tokenizer, cfg, args.out, protocols=tuple(dict.fromkeys(args.protocol)),
                        per_phase=args.prompts_per_phase, reference=reference, checks=checks_of(args), force=args.force,
                        resume=args.resume, progress=not args.no_progress)

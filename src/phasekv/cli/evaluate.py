@@ -52,6 +52,7 @@ def run(args) -> dict[str, Any]:
 
 def run_endpoint(args) -> dict[str, Any]:
     """`phasekv eval --endpoint`: the flags' prompt set through the served model (and through --reference-hf)."""
+    from phasekv.cli.flags import check_reference_model
     from phasekv.config import EvalConfig, from_section
     from phasekv.engines.client import open_endpoint
     from phasekv.evaluate.served import evaluate_endpoint
@@ -59,7 +60,7 @@ def run_endpoint(args) -> dict[str, Any]:
 
     cfg = from_section(EvalConfig, given_flags(args), "eval")
     check_prompt_count(prompts_at_least(cfg))
-    check_output_dir(Path(args.out), args.force)  # before anything is loaded or asked
+    check_output_dir(Path(args.out), args.force, args.resume)  # before anything is loaded or asked
     reference = None
     if args.reference_hf is not None:
         import torch
@@ -68,8 +69,10 @@ def run_endpoint(args) -> dict[str, Any]:
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        reference, _ = load_hf(args.reference_hf, cfg.device, cfg.dtype, gguf_file=cfg.gguf_file)
+        reference, reference_tokenizer = load_hf(args.reference_hf, cfg.device, cfg.dtype, gguf_file=cfg.gguf_file)
     adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
     with contextlib.closing(adapter):
+        if reference is not None:
+            check_reference_model(args, reference_tokenizer, tokenizer)
         return evaluate_endpoint(adapter, tokenizer, cfg, args.out, force=args.force, progress=not args.no_progress,
                                  reference=reference)

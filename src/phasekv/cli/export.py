@@ -45,14 +45,8 @@ def add_parser(sub) -> None:
 
 
 def run_gguf(args) -> dict[str, Any]:
-    from phasekv.cli import check_inputs_untouched
     from phasekv.export.gguf import export_gguf
 
-    if args.hf_out is not None:  # main() checks --out; --hf-out is a second output directory
-        try:
-            check_inputs_untouched(argparse.Namespace(out=args.hf_out, checkpoint=args.checkpoint))
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("--out", "--hf-out", 1)) from None
     summary = export_gguf(args.checkpoint, args.out, args.dtype, args.hf_out, args.force)
     widened = ", ".join(f"{field} {old} -> {new}" for field, (old, new) in summary["widened"].items())
     print(f"wrote {summary['file']} ({summary['tensors']} tensors, {summary['dtype']}, "

@@ -10,6 +10,7 @@ is read, and a prompt set whose size alone would not fit in memory is refused (`
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from phasekv.config import EVAL_PROTOCOLS
@@ -119,6 +120,7 @@ def check_source_flags(args) -> None:
                              "beside --endpoint); the engine chooses its own: drop it")
     if endpoint is not None:
         check_endpoint_options(endpoint_options(args))
+    check_reference_path(args)
 
 
 def add_prompt_arguments(p) -> None:
@@ -216,3 +218,53 @@ def check_prompt_count(prompts: int, flags: str = "--clusters, --targets-per-con
 
     check_budget(prompts * PROMPT_BYTES, f"prompt set: {prompts:,} prompts or more", bound="at least",
                  advice=f"lower {flags}")
+
+
+def vocabulary_fingerprint(tokenizer) -> str:
+    """A tokenizer's vocabulary, identified: a hash of its (token, id) pairs."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+
+
+def check_reference_path(args) -> None:
+    """A --reference-hf that is missing (a local path that does not exist, or a --gguf-file not inside it) is
+    refused in one line before anything loads."""
+    import os
+    import re
+
+    given = getattr(args, "reference_hf", None)
+    if given is None:
+        return
+    if not os.path.isdir(given) and (os.path.exists(given) or not re.fullmatch(r"[\w.-]+/[\w.-]+", given)):
+        raise ValueError(f"--reference-hf {given}: no such model directory (the served model's weights in "
+                         "transformers, for the comparison)")
+    gguf = getattr(args, "gguf_file", None)
+    if gguf and os.path.isdir(given) and not os.path.isfile(os.path.join(given, gguf)):
+        raise ValueError(f"--reference-hf {given}: holds no GGUF file {gguf} (--gguf-file)")
+
+
+def check_reference_model(args, reference_tokenizer, tokenizer, served: str | None = None) -> None:
+    """Refuse, in one line, a --reference-hf of another model than the one served: another vocabulary than the
+    served model's tokenizer (--tokenizer), or, when both are GGUF files (--launch with --gguf-file), other weights
+    than the served file's.  Compared otherwise, it would read as a served model that disagrees with itself."""
+    import os
+
+    ours, theirs = vocabulary_fingerprint(tokenizer), vocabulary_fingerprint(reference_tokenizer)
+    if ours != theirs:
+        raise ValueError(f"--reference-hf {args.reference_hf}: its vocabulary ({len(reference_tokenizer)} tokens, "
+                         f"fingerprint {theirs}) is not the served model's (--tokenizer {args.tokenizer}: "
+                         f"{len(tokenizer)} tokens, {ours}): a reference of another model; give the served weights")
+    gguf = getattr(args, "gguf_file", None)
+    if served is None or not gguf or not str(served).endswith(".gguf"):
+        return
+    reference = os.path.join(args.reference_hf, gguf)
+    if os.path.isfile(reference) and not os.path.samefile(reference, served):
+        from phasekv.export.gguf_check import weights_fingerprint
+
+        mine, other = weights_fingerprint(Path(served)), weights_fingerprint(Path(reference))
+        if mine != other:
+            raise ValueError(f"--reference-hf {args.reference_hf}: its weights {reference} (fingerprint {other}) are "
+                             f"not the served model's {served} ({mine}): a reference of another model; give the "
+                             "served weights")

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoints", default="checkpoints", help="directory of bundled checkpoints")
     p.add_argument("--models", nargs="+", help="only these models (directory names)")
     p.add_argument("--train", action="store_true", help="first retrain every model from configs/cpu presets "
-                                                        "(runs kept in OUT-train/, resumed if interrupted)")
+                                                        "(runs kept in OUT/train/, resumed if interrupted)")
     p.add_argument("--configs", default="configs/cpu", help="preset directory used by --train")
     p.add_argument("--bundle", help="with --train: store compact copies of the trained models here")
     p.add_argument("--quick", action="store_true", help="smaller prompt sets (for tests; intervals get wider)")

@@ -2,8 +2,8 @@
 GLM-5.3 k-pool indexer (`Glm5NextTextIndexer`) or MiniMax-M3 block indexer (`MiniMaxM3VLIndexer`, one head per KV
 group), one per layer, distilled onto a frozen dense LM (`phasekv.training.distill_indexer`); OUT then serves
 `phasekv audit --compress none kpool:pool=4,...,indexer=distilled:OUT` (heads=kv for minimax).  The work is kept in
-.OUT.partial beside OUT until it is complete (a killed run resumes from the features it had computed) and then
-published as OUT."""
+OUT/.partial (`phasekv.outputs.partial_dir`) until it is complete (a killed run, run again with the same flags,
+resumes from the features it had computed; --force starts over) and then published as OUT in its place."""
 
 from __future__ import annotations
 
@@ -43,16 +43,17 @@ def run(args) -> dict[str, Any]:
 
     from phasekv.adapters.hf import load_hf
     from phasekv.archs.base import text_config
-    from phasekv.outputs import check_output_dir, mark, publish_checked
+    from phasekv.conditions.selection.scorers import CONFIG_FILE, WEIGHTS_FILE
+    from phasekv.outputs import check_output_dir, output_dir, partial_dir
     from phasekv.training.distill_indexer import IndexerTraining, train_indexer
 
-    if not args.lr > 0:
-        raise ValueError(f"--lr: must be > 0, got {args.lr}")
+    if not 0 < args.lr < float("inf"):
+        raise ValueError(f"--lr: must be a finite number > 0, got {args.lr}")
     cfg = IndexerTraining(kind=args.kind, pool=args.pool, heads=args.heads or 4, head_dim=args.head_dim or 32,
                           sequences=args.sequences, held_out=args.held_out, length=args.length, steps=args.steps,
                           batch=args.batch, lr=args.lr, seed=args.seed)  # checked before loading anything
     out = Path(args.out)
-    check_output_dir(out, args.force)  # before loading anything
+    check_output_dir(out, args.force, resume=True)  # before loading anything; an interrupted run's work continues
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter, tokenizer = load_hf(args.hf, gguf_file=args.gguf_file)
@@ -61,11 +62,10 @@ def run(args) -> dict[str, Any]:
         cfg = replace(cfg, heads=args.heads or text.num_key_value_heads,
                       head_dim=args.head_dim or getattr(text, "head_dim", None)
                       or text.hidden_size // text.num_attention_heads)
-    work = out.absolute().parent / f".{out.name}.partial"
-    work.mkdir(parents=True, exist_ok=True)
+    work = partial_dir(out, force=args.force, resume=not args.force)
     config = train_indexer(adapter.module, tokenizer, work, cfg, model_name=adapter.info.name,
                            progress=not args.no_progress)
-    (work / "features.safetensors").unlink(missing_ok=True)  # the resume cache, not part of the result
-    mark(work)
-    publish_checked(work, out, args.force)
+    with output_dir(out, args.force, resume=True) as tmp:  # in place of the work (the features: a resume cache)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            (work / name).replace(tmp / name)
     return config

@@ -8,8 +8,8 @@ probabilities renormalized over the item's continuations (P(a) - P(b) for two). 
 the capability gate (`stats.can_decide`: without it no compressed condition gets a phase verdict) and the
 padding-only baseline.
 
-Resume: each (condition, item) is appended, fsync'd, to a journal in OUT's resumable temporary directory
-(`phasekv.engines.journal.journal_dir`) as soon as it is scored; a killed run continues with `resume` (only the
+Resume: each (condition, item) is appended, fsync'd, to a journal in OUT's resumable work (OUT/.partial,
+`phasekv.outputs.partial_dir`) as soon as it is scored; a killed run continues with `resume` (only the
 missing pairs are scored; the journal must have been written for the same model, prompts and settings), and OUT
 is published atomically (`phasekv.outputs.output_dir`) with decisions.jsonl (every prompt's row), items.jsonl (per
 item and condition: the decision at each shift, the margins, the flips), summary.json (the one source of truth)
@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,8 +34,7 @@ from phasekv.decisions import stats
 from phasekv.decisions.prompts import Prompt
 from phasekv.decisions.report import write_report
 from phasekv.decisions.scoring import Scorer, score_prompts
-from phasekv.engines.journal import journal_dir
-from phasekv.outputs import append_jsonl, check_output_dir, fsync_dir, output_dir, write_json, write_jsonl
+from phasekv.outputs import append_jsonl, check_output_dir, output_dir, partial_dir, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +58,37 @@ def decision_row(prompt: Prompt, scores: dict[str, list[float]]) -> dict[str, An
 class _Journal:
     """(condition, item) -> its rows, appended as they are scored (module docstring)."""
 
-    def __init__(self, out: Path, key: str, resume: bool):
-        self.path = journal_dir(out) / JOURNAL
+    def __init__(self, out: Path, key: str, *, force: bool, resume: bool):
+        self.path = partial_dir(out, force=force, resume=resume) / JOURNAL
         self.done: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        if self.path.exists() and not resume:
-            raise ValueError(f"{self.path}: the journal of an interrupted run exists: pass --resume to continue it "
-                             "or --force to start over")
         if self.path.exists():
-            lines = self.path.read_text().splitlines()
-            header = json.loads(lines[0]) if lines else {}
-            if header.get("key") != key:
-                raise ValueError(f"{self.path}: written for another model, prompt set or settings; --force to start "
-                                 "over")
-            for line in lines[1:]:
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    break  # a torn last line: that pair was never finished
-                self.done[(entry["condition"], entry["item"])] = entry["rows"]
+            self._load(key)
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             append_jsonl(self.path, {"journal": 1, "key": key}, durable=True)
         self.resumed = len(self.done)
+
+    def _load(self, key: str) -> None:
+        """The pairs an interrupted run scored; a journal of other settings, or not a journal, is refused and left
+        as it is.  A torn last line (a pair never finished) is cut off."""
+        data = self.path.read_bytes()
+        complete = data[:data.rfind(b"\n") + 1]
+        try:
+            lines = complete.decode().splitlines()
+            header = json.loads(lines[0]) if lines else None
+            entries = [json.loads(line) for line in lines[1:]]
+            done = {(e["condition"], e["item"]): e["rows"] for e in entries}
+        except (ValueError, RecursionError, TypeError, KeyError):
+            raise ValueError(f"{self.path}: not a phasekv decide journal; --force to start over") from None
+        if not isinstance(header, dict) or header.get("key") != key:
+            raise ValueError(f"{self.path}: written for another model, prompt set or settings; --force to start over")
+        self.done = done
+        if len(complete) < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(len(complete))
 
     def add(self, condition: str, item: str, rows: list[dict[str, Any]]) -> None:
         append_jsonl(self.path, {"condition": condition, "item": item, "rows": rows}, compact=True, durable=True)
         self.done[(condition, item)] = rows
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path.parent, ignore_errors=True)
-        fsync_dir(self.path.parent.parent)
 
 
 def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, conditions: Sequence[str],
@@ -100,15 +99,13 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
     `settings` must hold `stride` and `model` (and whatever else defines the run: it keys the journal) and may hold
     `minimum_pp`, `n_perm`, `n_boot`, `seed`."""
     out = Path(out)
-    check_output_dir(out, force)
+    check_output_dir(out, force, resume)
     conditions = ["none", *[c for c in conditions if c != "none"]]
     ids_key = hashlib.sha256(json.dumps([[p.item, p.ids, sorted(p.continuations.items())] for p in prompts])
                              .encode()).hexdigest()[:32]
     key = hashlib.sha256(json.dumps({**settings, "prompts": ids_key}, sort_keys=True, default=str).encode()
                          ).hexdigest()[:32]
-    if force and not resume:
-        shutil.rmtree(journal_dir(out), ignore_errors=True)
-    journal = _Journal(out, key, resume)
+    journal = _Journal(out, key, force=force, resume=resume)
     by_item: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_item.setdefault(p.item, []).append(p)
@@ -124,12 +121,11 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
     summary = summarize(rows, settings, chance=float(np.mean([1 / len(g[0].continuations) for g in by_item.values()])))
     summary.update({"elapsed_s": time.perf_counter() - started, "resumed_pairs": journal.resumed,
                     "prompt_set_key": ids_key})
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, resume=True) as tmp:  # in place of the run's work and journal
         write_jsonl(tmp / "decisions.jsonl", [{"condition": c, **r} for c in conditions for r in rows[c]])
         write_jsonl(tmp / "items.jsonl", item_rows(rows))
         write_json(tmp / "summary.json", summary)
         write_report(summary, tmp)
-    journal.remove()
     return summary
 
 
@@ -214,7 +210,7 @@ def decide_hf(hf: str, set_name: str, out: str | Path, *, conditions: Sequence[s
 
     check_conditions(tuple(conditions), geometry)
     decision_set = load_set(set_name)
-    check_output_dir(Path(out), options.get("force", False))
+    check_output_dir(Path(out), options.get("force", False), options.get("resume", False))
     shifts = shifts or geometry.stride
     check_shifts(shifts, geometry.stride)
     adapter, tokenizer = load_hf(hf, options.get("device", "auto"), options.get("dtype", "float32"),

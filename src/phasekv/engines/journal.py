@@ -1,9 +1,10 @@
 """The endpoint journal: every answer of a served model appended as it arrives, so a killed run resumes.
 
 One fsync'd JSON line per prompt, after a header line of the settings the answers depend on.  Until the run is
-published, its journal lives in OUT's resumable temporary directory (`journal_dir`: `.NAME.tmp-journal` beside OUT,
-one of the output's temporaries, never a file of its own beside OUT), which a failed run keeps for --resume and a run
-refused before its first answer removes (`Journal.close`).  `published` builds OUT (`phasekv.outputs.output_dir`)
+published, its journal lives in OUT's resumable work (`journal_dir`: OUT/.partial, `phasekv.outputs.partial_dir`,
+never beside OUT), which a failed run keeps for --resume and a run refused before its first answer removes
+(`Journal.close`).  A journal that is refused (other settings, not a journal) is never written to: a torn last line
+is cut off only when this run appends its first answer.  `published` builds OUT (`phasekv.outputs.output_dir`)
 with the journal and endpoint.json, how the answers were obtained, inside it, so they are published with OUT in its
 one atomic step.  The library keeps the journal end to end: `open_endpoint(..., out=OUT)` opens it, the command that
 publishes OUT (`phasekv eval --endpoint`, `phasekv audit --endpoint`) publishes it.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.engines.wire import Answer, EndpointError
-from phasekv.outputs import append_jsonl, fsync_dir, output_dir, write_json
+from phasekv.outputs import PARTIAL, append_jsonl, drop_partial, out_path, output_dir, partial_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,15 @@ class Journal:
         self.created = not self.path.exists() or fresh  # by this run: removed again if it journals nothing
         self.added = 0
         self.bound: dict[str, Any] = {}  # what the run bound to the journal after its header (`bind`)
+        self._torn: int | None = None  # the length to cut a torn last line back to, before the first append
         if not self.created:
             if not resume:
                 raise EndpointError(f"{self.path}: the journal of an interrupted run exists: pass --resume to "
                                     "continue it (only unanswered prompts are sent) or --force to start over")
             self._load()
         else:
+            if self.path.parent.name == PARTIAL:  # OUT's work: OUT made and marked first (`partial_dir`)
+                partial_dir(self.path.parent.parent, force=False, resume=True)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
             self._append({"journal": JOURNAL_VERSION, **settings})
@@ -72,8 +76,7 @@ class Journal:
         data = self.path.read_bytes()
         complete = data[:data.rfind(b"\n") + 1]  # a torn last line is an answer that never arrived
         if len(complete) < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(len(complete))
+            self._torn = len(complete)
         try:
             lines = complete.decode().splitlines()
             header = json.loads(lines[0]) if lines else {}
@@ -99,6 +102,10 @@ class Journal:
 
     def _append(self, entry: dict[str, Any]) -> None:
         with self._lock:
+            if self._torn is not None:  # checked and continued: the torn line is cut before the first new one
+                with open(self.path, "r+b") as f:
+                    f.truncate(self._torn)
+                self._torn = None
             append_jsonl(self.path, entry, compact=True, durable=True)
 
     def bind(self, name: str, value: Any) -> None:
@@ -123,8 +130,11 @@ class Journal:
         its directory when nothing else is in it: a refused run leaves nothing behind."""
         if self.created and self.added == 0 and self.path.exists():
             self.path.unlink()
-            with contextlib.suppress(OSError):
-                self.path.parent.rmdir()
+            if self.path.parent.name == PARTIAL:
+                drop_partial(self.path.parent.parent)
+            else:
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()
 
 
 def _entry(line: str) -> tuple[str, Answer | None]:
@@ -168,9 +178,8 @@ JOURNAL_NAME = "endpoint_journal.jsonl"  # its name in the temporary directory a
 
 
 def journal_dir(out: str | Path) -> Path:
-    """OUT's resumable temporary directory, where a run's journal lives until the run is published."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.tmp-journal")
+    """OUT's resumable work (OUT/.partial), where a run's journal lives until the run is published."""
+    return out_path(out) / PARTIAL
 
 
 def journal_path(out: str | Path) -> Path:
@@ -181,15 +190,13 @@ def journal_path(out: str | Path) -> Path:
 @contextlib.contextmanager
 def published(out: str | Path, force: bool, adapter=None) -> Iterator[Path]:
     """`output_dir(out, force)` that, for an endpoint `adapter`, also publishes its endpoint.json and journal with
-    OUT (both written into the temporary directory before its atomic publish) and then removes the journal's
-    temporary directory."""
-    with output_dir(out, force) as tmp:
+    OUT (both written into the temporary directory before its atomic publish, which replaces OUT's work with
+    them)."""
+    journaled = adapter is not None and adapter.journal is not None
+    with output_dir(out, force, resume=journaled) as tmp:
         yield tmp
         if adapter is not None:
             keep_journal(adapter, tmp)
-    if adapter is not None and adapter.journal is not None:
-        shutil.rmtree(adapter.journal.path.parent, ignore_errors=True)
-        fsync_dir(adapter.journal.path.parent.parent)
 
 
 def keep_journal(adapter, tmp: Path) -> None:

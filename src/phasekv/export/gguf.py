@@ -294,14 +294,16 @@ def gguf_metadata(config: Any) -> dict[str, Any]:
 
 def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32", name: str = "phasekv") -> dict:
     """Write `model` (llama.cpp-shaped: `widen` first) and `vocab` as a GGUF file at `out`, atomically (a
-    temporary sibling, flushed, renamed; a failed write, a full disk included, is one line and leaves no file).
+    temporary sibling, flushed, read back and checked (`gguf_check`), renamed; a failed write, a full disk included,
+    is one line and leaves no file).
     f16 stores the matrices as float16 except those transformers keeps in float32 (hyper-connections, sinks,
     compressor biases, norms) and those the layout's KEEP_F32 names (MiniMax-M3's indexer); 1-D tensors are always
     float32."""
     import gguf
     import numpy as np
 
-    from phasekv.outputs import fsync_dir, write_error
+    from phasekv.export.gguf_check import fingerprint, publish_gguf, tensor_bytes
+    from phasekv.outputs import write_error
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {list(DTYPES)}, got {dtype!r}")
@@ -309,7 +311,7 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
     arch = layout(config)
     out = Path(out)
     keep_f32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + getattr(arch, "KEEP_F32", ())
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp, written = out.with_name(f".{out.name}.tmp-{os.getpid()}"), {}
     writer = gguf.GGUFWriter(str(tmp), arch.ARCH)
     try:
         writer.add_name(name)
@@ -335,16 +337,14 @@ def write_gguf(model: nn.Module, vocab: Any, out: str | Path, dtype: str = "f32"
             if dtype == "f16" and array.ndim >= 2 and not any(k in source for k in keep_f32):
                 array = array.astype(np.float16)
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+            written[gguf_name] = fingerprint(np.ascontiguousarray(array))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        publish_gguf(tmp, out, written)
     except OSError as exc:  # numpy's short write ("32768 requested and 19496 written") carries no errno
-        raise write_error(exc, out) from None
+        raise write_error(exc, out, tensor_bytes(written)) from None
     finally:
         with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails too
             writer.close()

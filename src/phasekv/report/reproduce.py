@@ -38,7 +38,7 @@ from phasekv.config import PROTOCOLS, Experiment
 from phasekv.evaluate.runner import evaluate
 from phasekv.evaluate.sources import CHECKPOINT_BATCH, make_eval_set, open_checkpoint
 from phasekv.families import family_name
-from phasekv.outputs import output_dir, write_json
+from phasekv.outputs import output_dir, partial_dir, write_json
 from phasekv.probes.archgates import arch_gate_statistics
 from phasekv.probes.cycle import cycle_stride, offset_gate_parameters, run_cycling
 from phasekv.probes.gates import gate_report, gate_trajectory
@@ -86,11 +86,15 @@ def discover(checkpoints: Path, names: list[str] | None = None) -> dict[str, Pat
 
 
 def bundle(run: Path, dest: Path) -> Path:
-    """Compact copy of a training run: float16 weights, config, metrics, float16 gate snapshots."""
+    """Compact copy of a training run: float16 weights, config, metrics, float16 gate snapshots, published as `dest`
+    (`output_dir`: an old `dest` is replaced only when phasekv wrote all of it)."""
     final = run / "final" if (run / "final").is_dir() else resolve(run)
-    tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    with output_dir(dest, force=True) as tmp:
+        _bundle_into(run, final, tmp)
+    return dest
+
+
+def _bundle_into(run: Path, final: Path, tmp: Path) -> None:
     (tmp / "gates").mkdir(parents=True)
     weights = load_file(str(final / "model.safetensors"))
     state = {k: v.half() if v.is_floating_point() else v for k, v in weights.items()}
@@ -99,10 +103,6 @@ def bundle(run: Path, dest: Path) -> Path:
     shutil.copy(run / "metrics.jsonl", tmp / "metrics.jsonl")
     for snap in sorted((run / "gates").glob("step_*.safetensors")):
         save_file({k: v.half() for k, v in load_file(str(snap)).items()}, str(tmp / "gates" / snap.name))
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-    return dest
 
 
 @torch.no_grad()
@@ -283,11 +283,10 @@ def check_finite(tree: Any, where: str = "summary") -> None:
         raise ValueError(f"{where} is not finite ({tree})")
 
 
-def retrain(out: Path, names: list[str], configs: Path, bundle_to: Path | None, progress: bool
+def retrain(runs: Path, names: list[str], configs: Path, bundle_to: Path | None, progress: bool
             ) -> tuple[dict[str, Path], dict[str, float]]:
-    """Train every model from its preset into OUT-train/NAME (resumed when a run exists there), and
+    """Train every model from its preset into `runs`/NAME (resumed when a run exists there), and
     bundle compact copies into `bundle_to`; (model directories, training seconds)."""
-    runs = out.with_name(out.name + "-train")
     dirs, seconds = {}, {}
     for name in names:
         run = runs / name
@@ -355,10 +354,11 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
     report.html, every analysis's files) atomically when everything is done."""
     out = Path(out)
     started = time.perf_counter()
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, resume=retrain_models) as tmp:
         train_times: dict[str, float] = {}
-        if retrain_models:
-            models_dirs, train_times = retrain(out, names or BUNDLED, Path(configs),
+        runs = partial_dir(out, force=False, resume=True) / "train" if retrain_models else None  # resumable in OUT
+        if runs is not None:
+            models_dirs, train_times = retrain(runs, names or BUNDLED, Path(configs),
                                                Path(bundle_to) if bundle_to else None, progress)
         else:
             models_dirs = discover(Path(checkpoints), names)
@@ -375,4 +375,6 @@ def reproduce(out: str | Path, checkpoints: str | Path = "checkpoints", names: l
         check_finite(summary)
         write_json(tmp / "summary.json", summary)
         write_report(summary, tmp, drawn)
+        if runs is not None:
+            runs.replace(tmp / "train")  # the training runs, kept in OUT/train
     return summary

@@ -19,12 +19,17 @@ scores max-pooled into blocks of `pool` keys from position 0), one per layer of 
      context) on sequences never trained on, before and after training.
 
 The run directory holds indexer.safetensors and indexer.json (the config, the curve, the held-out numbers before
-and after, the cost); it is published whole when training ends.  The frozen model's features are kept in the
-work directory as they are computed (features.safetensors), so a killed run resumes without redoing them.
+and after, the cost); it is published whole when training ends, and only when every loss and weight is finite (a
+NaN or inf stops the run in one line naming the step).  The frozen model's features are kept in the work directory
+as they are computed (features.safetensors), so a killed run resumes without redoing them; they carry the key of
+what they depend on (`features_key`: the model and its weights' fingerprint, the corpus seed and sizes, the pool),
+and a run of another key refuses them in one line instead of training on another run's features.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import random
@@ -77,6 +82,8 @@ class IndexerTraining:
         for name in ("pool", "heads", "head_dim", "sequences", "held_out", "length", "steps", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train-indexer: {name} must be >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.lr, int | float) and 0 < self.lr < math.inf):
+            raise ValueError(f"train-indexer: lr must be a finite number > 0, got {self.lr}")
         if self.length < 4 * self.pool:
             raise ValueError(f"train-indexer: length {self.length} must hold at least 4 pools of {self.pool}")
 
@@ -137,13 +144,57 @@ def features(model, sequences: list[list[int]], pool: int, progress: bool = True
     return out
 
 
-def cached_features(model, sequences: list[list[int]], pool: int, path: Path, progress: bool = True,
-                    groups: int = 1) -> list[dict[str, torch.Tensor]]:
-    """`features`, kept in `path` (safetensors) in batches of 8 sequences as they are computed, so a killed run
-    resumes with the sequences it had done (the slow part: one dense forward each)."""
-    from safetensors.torch import load_file, save_file
+def weights_fingerprint(model) -> str:
+    """A cheap identity of `model`'s weights: every parameter's name, shape, dtype and a sample of its values."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:8], flat[-8:], flat[::max(1, flat.numel() // 64)][:64]]).float().cpu()
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
 
-    done = load_file(str(path)) if path.is_file() else {}
+
+def features_key(model, model_name: str, cfg: IndexerTraining, groups: int) -> dict[str, Any]:
+    """What the cached features depend on: a resume with any of it changed must not reuse them."""
+    return {"model": model_name, "weights": weights_fingerprint(model), "seed": cfg.seed, "sequences": cfg.sequences,
+            "held_out": cfg.held_out, "length": cfg.length, "pool": cfg.pool, "groups": groups}
+
+
+def _stored_features(path: Path, key: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The features an interrupted run kept in `path`, refused in one line when they are of another `key` (another
+    model, seed, corpus or pool) or not a readable features file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return {}
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored = json.loads((f.metadata() or {}).get("key", "null"))
+        done = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error type for a torn or foreign file
+        raise ValueError(f"train-indexer: {path}: not a readable features file of an interrupted run "
+                         f"({' '.join(str(exc).split())[:120]}); --force starts over") from None
+    if stored != key:
+        stored = stored if isinstance(stored, dict) else {}
+        diff = sorted(k for k in key if stored.get(k) != key[k])
+        then = ", ".join(f"{k}={stored.get(k)}" for k in diff)
+        raise ValueError(f"train-indexer: {path} holds the features of an interrupted run of another "
+                         f"{', '.join(diff) or 'version'} ({then}; this run: {', '.join(f'{k}={key[k]}' for k in diff)}"
+                         "); rerun with its settings or --force to start over")
+    return done
+
+
+def cached_features(model, sequences: list[list[int]], pool: int, path: Path, progress: bool = True,
+                    groups: int = 1, *, key: dict[str, Any] | None = None) -> list[dict[str, torch.Tensor]]:
+    """`features`, kept in `path` (safetensors) in batches of 8 sequences as they are computed, so a killed run
+    resumes with the sequences it had done (the slow part: one dense forward each); `key` (`features_key`) is stored
+    with them and must match on resume."""
+    from safetensors.torch import save_file
+
+    key = key or {}
+    done = _stored_features(path, key)
     out = [{"hidden": done[f"{i}.hidden"], "mass": done[f"{i}.mass"]} for i in range(len(sequences))
            if f"{i}.hidden" in done]
     if out and (out[0]["mass"].ndim != 4 or out[0]["mass"].shape[1] != groups):
@@ -152,8 +203,9 @@ def cached_features(model, sequences: list[list[int]], pool: int, path: Path, pr
     for start in range(len(out), len(sequences), 8):
         out += features(model, sequences[start:start + 8], pool, progress, groups)
         flat = {f"{i}.{k}": v.contiguous() for i, f in enumerate(out) for k, v in f.items()}
-        save_file(flat, str(path.with_name(path.name + ".tmp")))
-        path.with_name(path.name + ".tmp").replace(path)
+        tmp = path.with_name(path.name + ".tmp")  # inside the run's work directory
+        save_file(flat, str(tmp), metadata={"key": json.dumps(key, sort_keys=True)})
+        tmp.replace(path)
     return out
 
 
@@ -224,6 +276,9 @@ def fit(indexers, train: list[dict[str, torch.Tensor]], cfg: IndexerTraining, pr
     curve = []
     for step in tqdm(range(cfg.steps), desc="train-indexer", unit="step", disable=not progress):
         loss = distillation_loss(indexers, rng.sample(train, min(cfg.batch, len(train))), cfg)
+        if not torch.isfinite(loss):
+            raise ValueError(f"train-indexer: step {step}: the loss is {loss.item()} (not finite); nothing is "
+                             f"published (a smaller --lr than {cfg.lr} may train)")
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -249,13 +304,15 @@ def train_indexer(model, tokenizer, out: Path, cfg: IndexerTraining, *, model_na
                              f"{groups}, got {cfg.heads}")
         shape["rope_theta"] = rope_theta(text)
     sequences = corpus(tokenizer, cfg.sequences + cfg.held_out, cfg.length, cfg.seed)
-    feats = cached_features(model, sequences, cfg.pool, out / FEATURES_FILE, progress, groups)
+    feats = cached_features(model, sequences, cfg.pool, out / FEATURES_FILE, progress, groups,
+                            key=features_key(model, model_name, cfg, groups))
     features_s = time.perf_counter() - started
     train, test = feats[:cfg.sequences], feats[cfg.sequences:]
     indexers = build_indexers(shape, seed=cfg.seed)
     before = held_out(indexers, test, cfg)
     curve = fit(indexers, train, cfg, progress)
     after = held_out(indexers, test, cfg)
+    check_finite(indexers, after)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in indexers.state_dict().items()}, str(out / WEIGHTS_FILE))
@@ -266,6 +323,18 @@ def train_indexer(model, tokenizer, out: Path, cfg: IndexerTraining, *, model_na
               "threads": torch.get_num_threads()}
     write_json(out / CONFIG_FILE, config, atomic=True)
     return config
+
+
+def check_finite(indexers, after: dict[str, float]) -> None:
+    """Refuse, in one line, trained weights or a held-out KL that are not all finite: nothing is published."""
+    for name, p in indexers.named_parameters():
+        bad = int((~torch.isfinite(p)).sum())
+        if bad:
+            raise ValueError(f"train-indexer: {bad} of {p.numel()} values of the trained weight {name} are not "
+                             "finite (NaN or inf); nothing is published")
+    if not math.isfinite(after["kl_per_layer"]):
+        raise ValueError(f"train-indexer: the held-out KL after training is {after['kl_per_layer']}; nothing is "
+                         "published")
 
 
 def rope_theta(text: Any) -> float:
