@@ -444,3 +444,19 @@ def test_a_missing_reference_says_so_before_anything_runs(tmp_path, capsys):
                      str(reference), "--out", str(tmp_path / "out")])
         assert match in one_line(code, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("heads", 100_000_000, "heads must be <= 1024"),
+    ("head_dim", 99_999_999, "head_dim must be <= 4096"),
+    ("length", 1 << 30, "length must be <= 1048576"),
+    ("seed", 10 ** 23, r"seed must be an integer in \[0, 2\^63\)"),
+    ("seed", -1, r"seed must be an integer in \[0, 2\^63\)"),
+])
+def test_train_indexer_sizes_and_seeds_are_bounded_before_anything_is_allocated(field, value, message):
+    from phasekv.training.distill_indexer import IndexerTraining
+
+    with pytest.raises(ValueError, match=message):
+        IndexerTraining(**{field: value})
+    with pytest.raises(ValueError, match=r"heads x head_dim must be <= 65536"):
+        IndexerTraining(heads=1024, head_dim=4096)

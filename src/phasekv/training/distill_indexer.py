@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 FEATURES_FILE = "features.safetensors"  # the frozen model's hidden states and attention mass, kept for a resume
 KINDS = {"glm5": GLM_KIND, "minimax": MINIMAX_KIND}  # --kind -> indexer.json's kind
 
+LIMITS = {"pool": 4096, "heads": 1024, "head_dim": 4096, "length": 1 << 20, "batch": 4096, "steps": 10_000_000}
+
+
 @dataclass(frozen=True)
 class IndexerTraining:
     kind: str = "glm5"  # a key of KINDS
@@ -84,6 +87,14 @@ class IndexerTraining:
                 raise ValueError(f"train-indexer: {name} must be >= 1, got {getattr(self, name)}")
         if not (isinstance(self.lr, int | float) and 0 < self.lr < math.inf):
             raise ValueError(f"train-indexer: lr must be a finite number > 0, got {self.lr}")
+        for name, limit in LIMITS.items():  # before anything is allocated: a typo must not ask for 400 GB
+            if getattr(self, name) > limit:
+                raise ValueError(f"train-indexer: {name} must be <= {limit}, got {getattr(self, name)}")
+        if self.heads * self.head_dim > 65536:
+            raise ValueError(f"train-indexer: heads x head_dim must be <= 65536 (GLM-5.3's indexer has 32 x 128), "
+                             f"got {self.heads} x {self.head_dim}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"train-indexer: seed must be an integer in [0, 2^63), got {self.seed}")
         if self.length < 4 * self.pool:
             raise ValueError(f"train-indexer: length {self.length} must hold at least 4 pools of {self.pool}")
 
