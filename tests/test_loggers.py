@@ -123,6 +123,12 @@ def test_a_logger_without_its_package_is_refused_in_one_line(monkeypatch, kind):
     assert "\n" not in str(info.value) and type(report.open_reporter(Path("unused"), "none")) is report.Reporter
 
 
+def test_every_choice_of_train_report_to_has_a_reporter():
+    from phasekv.config import REPORT_TO
+
+    assert tuple(report.REPORTERS) == REPORT_TO
+
+
 def test_only_finite_numbers_are_logged_and_run_names_are_stable_and_distinct(tmp_path):
     row = {"step": 3, "loss": 1.5, "tokens": 7, "done": True, "nan": float("nan"), "name": "x"}
     assert report.scalars(row) == {"loss": 1.5, "tokens": 7}

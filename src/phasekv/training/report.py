@@ -19,8 +19,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from phasekv.config import REPORT_TO
-
 TENSORBOARD_DIR = "tensorboard"
 TRACKIO_PROJECT = "phasekv"
 
@@ -103,8 +101,7 @@ class TrackioReporter(Reporter):
 
 
 REPORTERS: dict[str, type[Reporter]] = {"none": Reporter, "tensorboard": TensorBoardReporter,
-                                        "wandb": WandbReporter, "trackio": TrackioReporter}
-assert tuple(REPORTERS) == REPORT_TO  # the config's choices are these loggers
+                                        "wandb": WandbReporter, "trackio": TrackioReporter}  # = config's REPORT_TO
 
 
 def check_report_to(kind: str) -> None:
