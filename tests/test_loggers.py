@@ -9,6 +9,7 @@ import sqlite3
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_train_reports_loss_and_phase_metrics_to_tensorboard(tmp_path):
 def wandb_records(path: Path) -> list[bytes]:
     """The records of a wandb transaction log (run-ID.wandb): a 7-byte file header (":W&B", magic, version), then
     LevelDB-log chunks in 32 KiB blocks, each a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle,
-    4 last) and its bytes; a block's tail shorter than a header is padding."""
+    4 last) and its bytes; a block's tail shorter than a header is padding.  A log still being written gives its
+    complete records."""
     data, block = path.read_bytes(), 32768
     assert data[:4] == b":W&B"
     records, pos, part = [], 7, b""
@@ -67,6 +69,8 @@ def wandb_records(path: Path) -> list[bytes]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         part += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -86,10 +90,14 @@ def test_train_reports_loss_and_phase_metrics_to_wandb_offline_run_files(tmp_pat
     assert main([*TRAIN, "--out", str(run), "--report-to", "wandb"]) == 0
     files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1 and files[0].name == f"run-{report.run_name(run)}.wandb"
+    records = []
+    for _ in range(300):  # wandb-core closes the log just after finish() returns: wait for its exit record
+        records = [wandb_internal_pb2.Record.FromString(raw) for raw in wandb_records(files[0])]
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.2)
     series: dict[str, list] = {}
-    for raw in wandb_records(files[0]):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             for item in record.history.item:
                 series.setdefault(item.key or "/".join(item.nested_key), []).append(
