@@ -42,7 +42,7 @@ def assert_same_series(rows: list[dict], series: dict[str, list[tuple[int, float
         expected = [(r["step"], r[name]) for r in rows if name in r]
         assert [s for s, _ in series[name]] == [s for s, _ in expected], name
         assert [v for _, v in series[name]] == pytest.approx([v for _, v in expected], rel=1e-6), name
-    assert [s for s, _ in series["phase/gap_pp"]] == [2]  # the phase check runs at validation only
+    assert [s for s, _ in series["phase/gap_pp"]] == [r["step"] for r in rows if "val_loss" in r]  # at validation
 
 
 @installed("tensorboard")
@@ -81,8 +81,6 @@ def wandb_records(path: Path) -> list[bytes]:
 
 @installed("wandb")
 def test_train_reports_loss_and_phase_metrics_to_wandb_offline_run_files(tmp_path, monkeypatch):
-    from wandb.proto import wandb_internal_pb2
-
     for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
         monkeypatch.setenv(var, str(value))
@@ -90,9 +88,22 @@ def test_train_reports_loss_and_phase_metrics_to_wandb_offline_run_files(tmp_pat
     assert main([*TRAIN, "--out", str(run), "--report-to", "wandb"]) == 0
     files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1 and files[0].name == f"run-{report.run_name(run)}.wandb"
+    assert_same_series(logged_rows(run), wandb_history(files[0]))
+    # resumed for one more step: a second offline log of the same run id (`wandb sync` joins them), from step 3
+    time.sleep(1)  # the offline directory is named by the second
+    assert main([*TRAIN, "--resume", "--set", "train.steps=3", "--out", str(run), "--report-to", "wandb"]) == 0
+    (second,) = set((run / "wandb").glob("offline-run-*/run-*.wandb")) - set(files)
+    assert second.name == files[0].name and {s for v in wandb_history(second).values() for s, _ in v} == {3}
+
+
+def wandb_history(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(step, value)] of a wandb offline log's history records, once wandb-core has closed it (just
+    after finish() returns: its exit record)."""
+    from wandb.proto import wandb_internal_pb2
+
     records = []
-    for _ in range(300):  # wandb-core closes the log just after finish() returns: wait for its exit record
-        records = [wandb_internal_pb2.Record.FromString(raw) for raw in wandb_records(files[0])]
+    for _ in range(300):
+        records = [wandb_internal_pb2.Record.FromString(raw) for raw in wandb_records(path)]
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             break
         time.sleep(0.2)
@@ -102,19 +113,23 @@ def test_train_reports_loss_and_phase_metrics_to_wandb_offline_run_files(tmp_pat
             for item in record.history.item:
                 series.setdefault(item.key or "/".join(item.nested_key), []).append(
                     (record.history.step.num, json.loads(item.value_json)))
-    assert_same_series(logged_rows(run), series)
+    return series
 
 
 @installed("trackio")
 def test_train_reports_loss_and_phase_metrics_to_a_local_trackio_database(tmp_path):
     # in a process of its own: Trackio reads TRACKIO_DIR once, when it is imported
     run, env = tmp_path / "run", {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
-    done = subprocess.run([sys.executable, "-m", "phasekv", *TRAIN, "--out", str(run), "--report-to", "trackio"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # trained, then resumed for one more step: the resumed run logs on into the same Trackio run
+    for more in ([], ["--resume", "--set", "train.steps=3"]):
+        done = subprocess.run([sys.executable, "-m", "phasekv", *TRAIN, *more, "--out", str(run), "--report-to",
+                               "trackio"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
     with sqlite3.connect(tmp_path / "trackio" / f"{report.TRACKIO_PROJECT}.db") as db:
         logged = db.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY step",
                             (report.run_name(run),)).fetchall()
+        assert db.execute("SELECT COUNT(DISTINCT run_id) FROM metrics").fetchone() == (1,)
+    assert [step for step, _ in logged] == [1, 2, 3]
     series: dict[str, list] = {}
     for step, metrics in logged:
         for name, value in json.loads(metrics).items():
