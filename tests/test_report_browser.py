@@ -122,6 +122,24 @@ def test_the_headline_figure_of_as_many_models_as_make_demo_fits_the_first_scree
 
 
 @needs_chromium
+def test_an_audits_report_opens_on_the_conditions_curves(tmp_path):
+    """`phasekv audit`'s report.html: the conditions' per-phase curves end on the first screen (the settings note and
+    the layers table come after them; before, the curves of a model that cannot do the task ended at 927 px)."""
+    import phasekv
+    from tests.helpers import bpe_tokenizer, tiny_causal_lm
+
+    tokenizer = bpe_tokenizer()
+    model = tiny_causal_lm("llama", len(tokenizer), 1024, "sdpa")
+    phasekv.audit(model, tokenizer, records=24, demos=2, prompts_per_phase=1, out=tmp_path / "audit")
+    page = tmp_path / "audit" / "report.html"
+    result = probe(page)
+    assert result["errors"] == [] and result["broken"] == [] and result["images"] == 2, result
+    assert result["first_image"] <= 800, "the per-phase curves fit the first screen (1280 x 800)"
+    text = page.read_text()
+    assert text.index("<img ") < text.index("<table>") < text.index("format chance = 1 / possible answer tokens")
+
+
+@needs_chromium
 def test_probe_catches_a_corrupted_image(report):
     text = report.read_text()
     first_alt = html.unescape(re.search(r'<img alt="(.*?)"', text).group(1))
