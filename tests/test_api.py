@@ -163,27 +163,6 @@ def test_the_phase_check_in_a_custom_loop_runs_every_n_steps():
         PhaseCheck(every=0)
 
 
-def test_train_reports_loss_and_phase_metrics_to_tensorboard(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from phasekv.cli import main
-
-    assert main(["train", "configs/cpu/w8s8.yaml", "--out", str(tmp_path / "run"), "--report-to", "tensorboard",
-                 "--no-progress", "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set",
-                 "train.eval_every=2", "--set", "train.log_every=1", "--set", "train.batch_size=2", "--set",
-                 "train.eval_sequences=2", "--set", "train.phase_check_prompts=1", "--set", "train.threads=1"]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
-    events.Reload()
-    scalars = events.Tags()["scalars"]
-    for name in ("loss", "lr", "val_loss", "phase/mean_accuracy", "phase/gap_pp", "phase/acc_phase_0"):
-        assert name in scalars
-        assert [e.step for e in events.Scalars(name)] == [r["step"] for r in rows if name in r]
-        assert [e.value for e in events.Scalars(name)] == pytest.approx([r[name] for r in rows if name in r])
-    assert [e.step for e in events.Scalars("phase/gap_pp")] == [2]
-
-
 # ----------------------------------------------------------------------------- schemas and the Hub's eval results
 
 SCHEMAS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "schemas"
@@ -271,17 +250,51 @@ def test_the_command_writes_valid_eval_results_and_outputs_that_match_their_sche
     assert all(m["verdict"] in e["notes"] for e in entries)
     card = (tmp_path / "hub" / "phasekv_model_card.md").read_text()
     assert "| none | prefix |" in card and "figures/phases_prefix.png" in card
+    assert (tmp_path / "hub" / "figures" / "phases_prefix.png").read_bytes() == \
+           (tmp_path / "audit" / "figures" / "phases_prefix.png").read_bytes()  # the card's figure beside it
     with pytest.raises(AssertionError):
         validate_eval_result_entries([{"dataset": {"id": "x/y"}, "value": 1.0, "date": "2026-12-06", "metric": 1}])
 
 
-def test_report_to_tensorboard_without_the_package_is_one_line(monkeypatch):
-    import importlib.util
+def test_the_eval_command_writes_valid_eval_results_and_the_function_the_same(tmp_path, tokenizer, capsys):
+    import yaml
 
-    from phasekv.training import report
+    from phasekv.cli import main
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ValueError, match=r"phasekv\[tensorboard\]") as info:
-        report.open_reporter(__import__("pathlib").Path("unused"), "tensorboard")
-    assert "\n" not in str(info.value) and report.open_reporter("unused", "none").writer is None
+    model = tiny_causal_lm("llama", len(tokenizer), 1024, "sdpa")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    flags = ["--format", "records", "--records", "24", "--demos", "2", "--residue-modulus", "8", "--clusters", "4"]
+    assert main(["eval", "--hf", str(tmp_path / "model"), *flags, "--out", str(tmp_path / "eval"), "--eval-results",
+                 str(tmp_path / "hub"), "--no-progress"]) == 0
+    m = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    files = sorted((tmp_path / "hub" / ".eval_results").glob("*.yaml"))
+    assert [f.name for f in files] == ["phasekv_eval_prefix.yaml"]
+    entries = yaml.safe_load(files[0].read_text())
+    validate_eval_result_entries(entries)
+    worst = min(r["accuracy"] for r in m["per_phase"])
+    assert [e["value"] for e in entries] == pytest.approx([100 * m["mean_accuracy"], 100 * worst, m["max_gap_pp"]],
+                                                          abs=0.005)
+    assert [e["dataset"]["task_id"] for e in entries] == ["records_prefix_mean_accuracy",
+                                                          "records_prefix_worst_phase_accuracy",
+                                                          "records_prefix_phase_gap_pp"]
+    assert all(e["notes"].startswith("phasekv eval, prefix protocol, format records, stride 8") and
+               m["verdict"] in e["notes"] for e in entries)
+    card = (tmp_path / "hub" / "phasekv_model_card.md").read_text()
+    assert "| model | prefix |" in card and f"{m['n_prompts']} prompts" in card
+    assert (tmp_path / "hub" / "accuracy_by_residue.png").read_bytes() == \
+           (tmp_path / "eval" / "accuracy_by_residue.png").read_bytes()
+    # the Python API's result publishes the same entries
+    result = evaluate(model, tokenizer, prompt_format="records", records=24, demos=2, residue_modulus=8, clusters=4)
+    result.write_eval_results(tmp_path / "api")
+    same = yaml.safe_load((tmp_path / "api" / ".eval_results" / "phasekv_eval_prefix.yaml").read_text())
+    assert [(e["dataset"], e["value"], e["notes"]) for e in same] == \
+           [(e["dataset"], e["value"], e["notes"]) for e in entries]
+    # refused in one line before anything runs: DIR is --out, or DIR holds other files
+    capsys.readouterr()
+    for out, hub in ((tmp_path / "o1", tmp_path / "o1"), (tmp_path / "o2", tmp_path / "hub")):
+        assert main(["eval", "--hf", str(tmp_path / "model"), *flags, "--out", str(out), "--eval-results", str(hub),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("--eval-results: must be another" in err[0] or "not empty" in err[0]), err
+        assert not out.exists()

@@ -3,6 +3,7 @@ locally, gives per-document predictions and per-residue / per-phase accuracies i
 on the same prompts."""
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -95,6 +96,34 @@ def test_export_command_writes_a_task_and_refuses_bad_input(model_dir, tmp_path,
     assert "--tokenizer" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
+def run_printed(command: str, out) -> int:
+    """Run a `phasekv ...` command line the export printed, its OUT placeholder replaced by `out`."""
+    argv = shlex.split(command.replace("--out OUT", f"--out {shlex.quote(str(out))}"))
+    assert argv[0] == "phasekv"
+    return main(argv[1:])
+
+
+def test_export_for_a_model_directory_prints_the_commands_that_evaluate_the_same_prompts(model_dir, tmp_path,
+                                                                                        capsys):
+    flags = ["--format", "records", "--records", "24", "--demos", "2", "--residue-modulus", "8", "--clusters", "2"]
+    assert main(["export", "lm-eval", "--hf", str(model_dir), *flags, "--out", str(tmp_path / "task")]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "task" / "export.json").read_text())
+    assert summary["lm_eval_command"] == (f"lm_eval --model hf --model_args pretrained={model_dir} --include_path "
+                                          f"{tmp_path / 'task'} --tasks phasekv_records_prefix")
+    assert summary["lm_eval_command"] in printed and summary["eval_command"] in printed
+    assert run_printed(summary["eval_command"], tmp_path / "eval") == 0
+    capsys.readouterr()
+    docs = [json.loads(line) for line in (tmp_path / "task" / "prompts.jsonl").read_text().splitlines()]
+    predictions = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
+    where = ("residue", "phase", "target_position", "cluster", "record", "answer")
+    assert [tuple(d[k] for k in where) for d in docs] == [tuple(p[k] for k in where) for p in predictions]
+    # without --format, --hf exports records-lmeval: this toy tokenizer has no one-token " ." filler, said in one line
+    assert main(["export", "lm-eval", "--hf", str(model_dir), "--out", str(tmp_path / "default")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "records-lmeval.filler" in err[0] and not (tmp_path / "default").exists()
+
+
 def _exit_status(argv: list[str]) -> int:
     """main's return value, or the status of argparse's exit on a usage error."""
     try:
@@ -136,9 +165,10 @@ def test_group_metrics_average_their_own_documents_only():
 
 @pytest.mark.slow
 @needs_real_model
-def test_the_lmeval_format_exports_on_smollm2_and_lm_eval_agrees_with_phasekv_eval(tmp_path):
-    """SmolLM2's real tokenizer: `records` is refused (its "\\n" fillers merge), `records-lmeval` round-trips, and the
-    real lm_eval run on the exported task gives phasekv eval's per-phase accuracies on the same prompts."""
+def test_export_for_smollm2_succeeds_with_the_shipped_format_and_lm_eval_agrees_with_phasekv_eval(tmp_path, capsys):
+    """`phasekv export lm-eval --hf SmolLM2` without --format: `records` would be refused (its "\\n" fillers merge
+    under SmolLM2's tokenizer), the default `records-lmeval` round-trips, and the real lm_eval run of the exported
+    task (with the printed command's model) gives the per-phase accuracies of the printed `phasekv eval` command."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -146,13 +176,19 @@ def test_the_lmeval_format_exports_on_smollm2_and_lm_eval_agrees_with_phasekv_ev
                     gguf_file=SMOL_FILE)
     with pytest.raises(ValueError, match="do not tokenize back"):
         export_lmeval(str(SMOL), EvalConfig(format="records", **settings), tmp_path / "refused")
-    cfg = EvalConfig(format="records-lmeval", **settings)
-    summary = export_lmeval(str(SMOL), cfg, tmp_path / "task")
-    metrics = run_eval(Source(hf=str(SMOL)), cfg, tmp_path / "eval", progress=False)
+    flags = ["--gguf-file", SMOL_FILE, "--records", "24", "--demos", "4", "--stride", "8", "--residue-modulus", "8",
+             "--clusters", "2", "--protocol", "prefix"]
+    assert main(["export", "lm-eval", "--hf", str(SMOL), *flags, "--out", str(tmp_path / "task")]) == 0
+    summary = json.loads((tmp_path / "task" / "export.json").read_text())
+    assert summary["format"] == "records-lmeval" and "--format records-lmeval" in summary["eval_command"]
+    assert run_printed(summary["eval_command"] + " --no-progress", tmp_path / "eval") == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert summary["n_prompts"] == metrics["n_prompts"] and metrics["can_do_task"]
-    tasks = TaskManager(include_path=str(tmp_path / "task"))
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={SMOL},gguf_file={SMOL_FILE},dtype=float32",
-                                  tasks=[summary["task"]], task_manager=tasks, batch_size=16, device="cpu")
+    model_args = shlex.split(summary["lm_eval_command"])[4]
+    assert model_args == f"pretrained={SMOL},gguf_file={SMOL_FILE}"
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"{model_args},dtype=float32", tasks=[summary["task"]],
+                                  task_manager=TaskManager(include_path=str(tmp_path / "task")), batch_size=16,
+                                  device="cpu")
     results = out["results"][summary["task"]]
     assert [results[f"acc_phase_{g['phase']},none"] for g in metrics["per_phase"]] == pytest.approx(
         [g["accuracy"] for g in metrics["per_phase"]], abs=1e-12)

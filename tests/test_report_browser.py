@@ -110,6 +110,36 @@ def test_report_renders_cleanly_in_chromium(report):
 
 
 @needs_chromium
+def test_the_headline_figure_of_as_many_models_as_make_demo_fits_the_first_screen(tmp_path):
+    """make demo reports 22 models: their heatmap is taller than a screen at its natural size, so the page scales
+    it down to end above 800 px (at 3 models it is left as drawn)."""
+    strides = [4, 6, 8, 12]  # divisors of the residue modulus 24
+    models = {f"m{i:02d}": _model(strides[i % 4], (i % strides[i % 4],), i) for i in range(22)}
+    page = write_report({"models": models, "findings": [], "settings": {"quick": True}, "elapsed_s": 1.0}, tmp_path)
+    result = probe(page)
+    assert result["broken"] == [] and result["sections"][0] == "phase-heatmap", result
+    assert 600 < result["first_image"] <= 800, "the headline figure fits the first screen (1280 x 800)"
+
+
+@needs_chromium
+def test_an_audits_report_opens_on_the_conditions_curves(tmp_path):
+    """`phasekv audit`'s report.html: the conditions' per-phase curves end on the first screen (the settings note and
+    the layers table come after them; before, the curves of a model that cannot do the task ended at 927 px)."""
+    import phasekv
+    from tests.helpers import bpe_tokenizer, tiny_causal_lm
+
+    tokenizer = bpe_tokenizer()
+    model = tiny_causal_lm("llama", len(tokenizer), 1024, "sdpa")
+    phasekv.audit(model, tokenizer, records=24, demos=2, prompts_per_phase=1, out=tmp_path / "audit")
+    page = tmp_path / "audit" / "report.html"
+    result = probe(page)
+    assert result["errors"] == [] and result["broken"] == [] and result["images"] == 2, result
+    assert result["first_image"] <= 800, "the per-phase curves fit the first screen (1280 x 800)"
+    text = page.read_text()
+    assert text.index("<img ") < text.index("<table>") < text.index("format chance = 1 / possible answer tokens")
+
+
+@needs_chromium
 def test_probe_catches_a_corrupted_image(report):
     text = report.read_text()
     first_alt = html.unescape(re.search(r'<img alt="(.*?)"', text).group(1))

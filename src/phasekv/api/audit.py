@@ -125,7 +125,7 @@ def evaluate(model: Any, tokenizer: Any = None, *, protocol: str = "prefix", pro
         finally:
             if hasattr(adapter, "close"):
                 adapter.close()
-    result = EvalResult(metrics, records)
+    result = EvalResult(metrics, records, prompt_format=cfg.format)
     if out is not None:
         with output_dir(out, force) as tmp:
             result.write_into(tmp)

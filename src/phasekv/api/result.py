@@ -126,6 +126,7 @@ class EvalResult:
 
     metrics: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
+    prompt_format: str | None = None  # the prompts' format (None: bare words), named in the Hub's entries
 
     def per_phase(self) -> list[dict[str, Any]]:
         return phase_rows(self.metrics)
@@ -152,6 +153,12 @@ class EvalResult:
         with output_dir(out, force) as tmp:
             self.write_into(tmp)
         return Path(out)
+
+    def write_eval_results(self, out: str | Path, force: bool = False, **options: Any) -> Path:
+        """The Hub's .eval_results/*.yaml entries and a model-card section (`phasekv.api.publish`)."""
+        from phasekv.api.publish import write_eval_results
+
+        return write_eval_results(self.metrics, out, force=force, fmt=self.prompt_format, **options)
 
     def __repr__(self) -> str:
         return f"EvalResult({self.metrics['model']}, {self.metrics['protocol']})\n" + table(

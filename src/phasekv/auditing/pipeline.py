@@ -270,17 +270,17 @@ def _layers_section(conditions: dict[str, Any]) -> list[str]:
 def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
     """report.html of an audit, drawn from `summary` alone."""
     conditions = summary["conditions"]
-    parts = [f"<h1>Phase audit of {html.escape(summary['model'])}</h1>",
-             f"<p class='note'>Format {html.escape(summary['format']['format']['name'])}; windows of "
+    parts = [f"<h1>Phase audit of {html.escape(summary['model'])}</h1>"]
+    about = [f"<p class='note'>Format {html.escape(summary['format']['format']['name'])}; windows of "
              f"{summary['settings']['window']} tokens every {summary['settings']['stride']} (phase = position mod "
              f"{summary['settings']['stride']}); the last {summary['settings']['local_window']} tokens stay raw. "
              "Accuracy = top-1 of the answer's first token; in-context chance = the accuracy of copying a random value "
-             "present in the prompt (the capability gate's baseline); format chance = 1 / possible answer tokens.</p>"]
+             "present in the prompt (the capability gate's baseline); format chance = 1 / possible answer tokens.</p>",
+             *_layers_section(conditions)]  # after the first protocol's curves and table: the headline comes first
     if not summary["can_do_task"]:
         first = summary["settings"]["protocols"][0]
         parts.append(f"<p class='no'>{html.escape(conditions['none'][first]['verdict'])} with this format: "
                      "no compressed condition was evaluated.</p>")
-    parts += _layers_section(conditions)
     for protocol in summary["settings"]["protocols"]:
         if protocol == "query":
             parts += _query_section(conditions, out)
@@ -289,7 +289,8 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                                    out / "figures" / f"phases_{protocol}.png",
                                    title=f"Accuracy by target position mod S, {protocol} padding")
         parts.append(f"<h2>{_TITLES.get(protocol, protocol + ' padding')}</h2>")
-        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals)."))
+        parts.append(figure(path, f"Accuracy by phase per condition, {protocol} padding (Wilson 95% intervals).",
+                            headline=bool(about)))
         depths = {f"{n}, depth {d}": m for n, r in conditions.items()
                   for d, m in r[protocol].get("by_depth", {}).items()}
         if depths:  # a long-context set: the needle-in-a-haystack map with the phase axis
@@ -308,6 +309,8 @@ def write_audit_report(summary: dict[str, Any], out: Path) -> Path:
                          f"<td>{m['detected_period']}</td><td>{m['flatness_p']:.3g}</td>"
                          f"<td>{html.escape(m['verdict'])}</td></tr>")
         parts.append("</table>")
+        parts += about
+        about = []
     if summary.get("comparison"):
         parts += ["<h2>Engine vs reference</h2><p class='note'>The same prompts through the served model and through "
                   "transformers on the same weights: agreement of the greedy next tokens (Wilson 95% intervals) and "

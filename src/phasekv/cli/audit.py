@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phasekv.cli import flags
 from phasekv.cli.flags import (
     add_endpoint_arguments,
     add_launch_arguments,
@@ -175,8 +176,7 @@ def run(args) -> dict[str, Any]:
     if args.launch:
         return gate(args, expected, run_launched(args))
     check_output_dir(Path(args.out), args.force, args.resume)  # before loading anything
-    if args.eval_results:
-        check_output_dir(Path(args.eval_results), args.force)
+    flags.check_eval_results(args)
     device, dtype = args.device or "auto", args.dtype or "float32"
     if args.threads:
         import torch
@@ -204,7 +204,7 @@ def run(args) -> dict[str, Any]:
     if args.eval_results:
         from phasekv.api.publish import write_eval_results
 
-        write_eval_results(summary, args.eval_results, force=args.force)
+        write_eval_results(summary, args.eval_results, force=args.force, figures_from=args.out)
     for protocol, comparison in summary.get("comparison", {}).items():
         overall = comparison["overall"]
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "

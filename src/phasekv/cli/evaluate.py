@@ -3,6 +3,7 @@
     phasekv eval --checkpoint DIR --protocol prefix --out OUT
     phasekv eval --hf PATH --protocol insequence --stride 4 --out OUT
     phasekv eval --endpoint URL --api llamacpp --tokenizer DIR --format records --out OUT   (a served model)
+    phasekv eval --hf PATH --format records --out OUT --eval-results DIR   (also the Hub's .eval_results/*.yaml)
     torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
 
 Settings come from the checkpoint's `eval` section; every flag given overrides it.  The flags it shares with the
@@ -19,6 +20,7 @@ from phasekv.cli.flags import (
     add_endpoint_arguments,
     add_prompt_arguments,
     add_source_arguments,
+    check_eval_results,
     check_prompt_count,
     check_source_flags,
     endpoint_options,
@@ -34,6 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reference-hf", metavar="DIR", help="--endpoint: the same weights in transformers (with "
                                                          "--gguf-file: that GGUF inside DIR): writes comparison.json, "
                                                          "engine vs reference agreement per phase")
+    p.add_argument("--eval-results", metavar="DIR", help="also the Hub's .eval_results/*.yaml and a model card")
     add_prompt_arguments(p)
     p.set_defaults(func=run)
 
@@ -44,10 +47,18 @@ def run(args) -> dict[str, Any]:
 
     check_source_flags(args)
     check_reference(args.endpoint is not None, args.reference_hf)
+    check_eval_results(args)  # before anything is loaded or asked
     if args.endpoint is not None:
-        return run_endpoint(args)
-    source, cfg = source_and_config(args)
-    return run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
+        metrics = run_endpoint(args)
+    else:
+        source, cfg = source_and_config(args)
+        metrics = run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
+    if args.eval_results and metrics:  # under torchrun, rank 0 holds the metrics
+        from phasekv.api.publish import write_eval_results
+
+        write_eval_results(metrics, args.eval_results, force=args.force, fmt=getattr(args, "format", None),
+                           figures_from=args.out)
+    return metrics
 
 
 def run_endpoint(args) -> dict[str, Any]:

@@ -201,6 +201,18 @@ def source_and_config(args):
     return source, cfg
 
 
+def check_eval_results(args) -> None:
+    """--eval-results DIR (audit, eval): refused before anything runs when DIR is --out or holds other files."""
+    from pathlib import Path
+
+    from phasekv.outputs import check_output_dir
+
+    if args.eval_results:
+        if Path(args.eval_results).resolve() == Path(args.out).resolve():
+            raise ValueError("--eval-results: must be another directory than --out")
+        check_output_dir(Path(args.eval_results), args.force)
+
+
 def prompts_at_least(cfg) -> int:
     """A lower bound of the prompts an EvalConfig describes, from the settings alone: build_eval_set makes
     n_clusters x R contexts of targets_per_context prompts; unset, the targets are R / g and the clusters a multiple

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from phasekv.config import Experiment, TransformersModelConfig
+from phasekv.config import REPORT_TO, Experiment, TransformersModelConfig
 
 
 def add_parser(sub) -> None:
@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a config value (repeatable), e.g. --set train.steps=100")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--report-to", choices=("none", "tensorboard"), help="also log every metrics row to this logger "
-                                                                       "(= --set train.report_to=...)")
+    p.add_argument("--report-to", choices=REPORT_TO, help="also log every metrics row to this logger "
+                                                        "(= --set train.report_to=...)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 

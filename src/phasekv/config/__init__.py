@@ -39,6 +39,7 @@ from phasekv.config.run import (
     DEFAULT_CONDITIONS,
     EVAL_PROTOCOLS,
     PROTOCOLS,
+    REPORT_TO,
     AuditPlan,
     DataConfig,
     EvalConfig,
@@ -48,7 +49,7 @@ from phasekv.config.run import (
 )
 
 __all__ = ["AUDIT_DEFAULTS", "DEFAULT_CONDITIONS", "EVAL_PROTOCOLS", "LAYER_KINDS_BUILTIN", "MAX_CONFIG_BYTES",
-           "MAX_NESTING", "PROTOCOLS", "ROPE_PARTS", "AuditPlan", "CompressorOptions", "DataConfig", "EvalConfig",
-           "Experiment", "ModelConfig", "TrainConfig", "TransformersModelConfig", "apply_overrides", "audit_config",
-           "check_fields", "compressor_names", "from_section", "load_yaml", "model_config_from_dict", "parse_json",
-           "parse_override", "parse_yaml", "register_options", "route_compressor_keys", "short", "spec"]
+           "MAX_NESTING", "PROTOCOLS", "REPORT_TO", "ROPE_PARTS", "AuditPlan", "CompressorOptions", "DataConfig",
+           "EvalConfig", "Experiment", "ModelConfig", "TrainConfig", "TransformersModelConfig", "apply_overrides",
+           "audit_config", "check_fields", "compressor_names", "from_section", "load_yaml", "model_config_from_dict",
+           "parse_json", "parse_override", "parse_yaml", "register_options", "route_compressor_keys", "short", "spec"]

@@ -19,6 +19,7 @@ from phasekv.config.model import ModelConfig, TransformersModelConfig, model_con
 
 PROTOCOLS = ("prefix", "insequence")  # the padding protocols: the query position is fixed, the target moves
 EVAL_PROTOCOLS = (*PROTOCOLS, "query")  # and the query-phase protocol: the target is fixed, the prompt length moves
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio")  # the loggers of `train.report_to` (phasekv.training.report)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" (checked by phasekv.distributed)
     threads: int = spec(0, low=0, high=1024)  # torch CPU threads (0: torch's default)
     save_dtype: str = spec("float32", choices=("float32", "float16", "bfloat16"))  # final weights' dtype
-    report_to: str = spec("none", choices=("none", "tensorboard"))  # metrics.jsonl's rows also to this logger
+    report_to: str = spec("none", choices=REPORT_TO)  # metrics.jsonl's rows also to this logger
     phase_check_prompts: int = spec(0, low=0, high=4096)  # prompts per phase of the phase check at each validation
 
     # fields that may change when a run is resumed (everything else must match the saved run)

@@ -16,6 +16,7 @@ Written to OUT: `<task>.yaml`, `prompts.jsonl`, `utils.py` and `export.json` (th
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,27 @@ def task_yaml(name: str, stride: int, residue_modulus: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: bool = False) -> dict[str, Any]:
+def command_lines(model: str, given: dict[str, Any], out: str | Path, task: str) -> dict[str, str]:
+    """The `lm_eval` command that runs the exported task on `model`, and the `phasekv eval --hf` command that
+    evaluates the same prompts (`given`: the EvalConfig fields the export was given, as flags)."""
+    flags = [f"--{name.replace('_', '-')}" + ("" if value is True else f" {shlex.quote(str(value))}")
+             for name, value in given.items() if value is not None and value is not False and name != "gguf_file"]
+    gguf = given.get("gguf_file")
+    model_args = f"pretrained={model}" + (f",gguf_file={gguf}" if gguf else "")
+    return {"lm_eval_command": f"lm_eval --model hf --model_args {shlex.quote(model_args)} --include_path "
+                               f"{shlex.quote(str(out))} --tasks {task}",
+            "eval_command": " ".join(["phasekv eval --hf", shlex.quote(model),
+                                      *([f"--gguf-file {shlex.quote(gguf)}"] if gguf else []), *flags,
+                                      "--out OUT"])}
+
+
+def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: bool = False, *,
+                  flag: str = "--tokenizer", given: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the lm-eval task of `cfg`'s prompt set for the tokenizer at `tokenizer_path` into `out`;
-    returns what export.json records (task name, sizes, settings)."""
+    returns what export.json records (task name, sizes, settings, and with `given`, the flags `cfg` came from, the
+    `command_lines`).  `flag`: the option that named the path, in errors."""
     check_output_dir(Path(out), force)  # before loading anything
-    tokenizer = load_tokenizer(tokenizer_path, cfg.gguf_file, flag="--tokenizer")
+    tokenizer = load_tokenizer(tokenizer_path, cfg.gguf_file, flag=flag)
     vocab, defaults = tokenizer_vocabulary(tokenizer, cfg)
     eval_set = build_eval_set(vocab, cfg.protocol, stride=cfg.stride or DEFAULT_STRIDE,
                               **prompt_settings(cfg, defaults))
@@ -108,7 +125,8 @@ def export_lmeval(tokenizer_path: str, cfg: EvalConfig, out: str | Path, force: 
                "stride": eval_set.stride, "residue_modulus": eval_set.residue_modulus, "n_prompts": len(docs),
                "prompt_length": eval_set.prompt_length, "chance": eval_set.chance,
                "in_context_chance": eval_set.in_context_chance,
-               "settings": {k: v for k, v in eval_set.settings.items() if k != "vocab"}}
+               "settings": {k: v for k, v in eval_set.settings.items() if k != "vocab"},
+               **(command_lines(tokenizer_path, given, out, name) if given is not None else {})}
     with output_dir(out, force) as tmp:
         write_jsonl(tmp / "prompts.jsonl", docs)
         shutil.copyfile(lmeval_task.__file__, tmp / "utils.py")

@@ -28,6 +28,7 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-widt
 .ok{color:#1a7f37;font-weight:600}.no{color:#c62828;font-weight:600}.note{color:#555;font-size:14px}
 figure{margin:1.2em 0}figcaption{font-size:13px;color:#555}ul.models{font-size:14px;padding-left:1.2em}
 table.findings td,table.findings th{text-align:left}
+figure.headline img{max-height:calc(100vh - 240px);width:auto}
 """
 # the sections every report has, in page order (id -> heading); the probes' sections follow when measured
 SECTIONS = {"phase-heatmap": "Accuracy by phase, every model and its verdict (prefix padding)", "findings": "Findings",
@@ -50,11 +51,13 @@ def _h2(key: str, text: str) -> str:
     return f"<h2 id='{key}'>{html.escape(text)}</h2>"
 
 
-def figure(path: Path, caption: str, alt: str | None = None) -> str:
-    """A figure with the PNG embedded; `alt` (default: the caption) is what a reader without it gets."""
+def figure(path: Path, caption: str, alt: str | None = None, headline: bool = False) -> str:
+    """A figure with the PNG embedded; `alt` (default: the caption) is what a reader without it gets.  `headline`:
+    the page's first figure, scaled down (never up) to fit the first screen below the title (a heatmap of many
+    models is taller than a screen)."""
     data = base64.b64encode(path.read_bytes()).decode()
-    return (f'<figure><img alt="{html.escape(alt or caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return (f'<figure{" class=headline" if headline else ""}><img alt="{html.escape(alt or caption)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{html.escape(caption)}</figcaption></figure>')
 
 
 def pct(x: float | None) -> str:
@@ -169,7 +172,8 @@ def _glance(models: dict[str, Any], figs: Path) -> tuple[list[str], list[str]]:
     heatmap = figure(plot_phase_heatmap(curves, figs / "phase_heatmap.png"),
                    "Top-1 accuracy by phase (position mod S), one row per model, prefix padding; grey cells lie "
                    "beyond a model's stride S.",
-                   alt=f"Heatmap of accuracy by phase, rows models, columns phases. Phases at 50% or more: {cells}.")
+                   alt=f"Heatmap of accuracy by phase, rows models, columns phases. Phases at 50% or more: {cells}.",
+                   headline=True)
     return ([_h2("models", SECTIONS["models"]), f"<ul class='models'>{''.join(lines)}</ul>"],
             [_h2("phase-heatmap", SECTIONS["phase-heatmap"]), heatmap])
 

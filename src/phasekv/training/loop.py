@@ -120,7 +120,7 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     start = open_run(run, exp, tree=tree, resume=resume, dd=dd, model=model, optimizer=optimizer)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
-    reporter = open_reporter(run, cfg.report_to if dd.main else "none")
+    reporter = open_reporter(run, cfg.report_to if dd.main else "none", config=exp.tree)
     try:
         last = _train_loop(ddp, model, optimizer, stream, exp=exp, tree=tree, run=run, start=start, dd=dd,
                            progress=progress, report=(reporter, checks))
