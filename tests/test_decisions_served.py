@@ -109,6 +109,7 @@ def test_served_continuations_equal_the_same_model_in_process(tmp_path, tiny, mo
     rows = [json.loads(line) for line in (tmp_path / "out" / "decisions.jsonl").read_text().splitlines()]
     assert {r["condition"] for r in rows} == {"none", "reference"}
     assert all(len(r["logp"]) == 2 for r in rows)
+    assert "decisions alike" in (tmp_path / "out" / "report.html").read_text()
 
 
 def test_the_comparison_catches_a_served_model_wrong_at_one_phase(tiny):
