@@ -163,6 +163,30 @@ def test_decide_flags_are_checked_before_anything_loads(capsys, tmp_path):
         assert len(err) == 1 and match in err[0], err
 
 
+def test_decide_launch_runs_the_stand_in_llama_server_end_to_end(tmp_path, capsys):
+    from phasekv.cli import main
+    from tests.helpers import bpe_tokenizer
+    from tests.test_engine_grid import fake_engine
+
+    tokenizer = bpe_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    binary, model = fake_engine(tmp_path, len(tokenizer))
+    words = [("alpha", "red", "blue"), ("beta", "green", "red"), ("gamma", "blue", "green"), ("delta", "red", "green")]
+    items = "".join(f'- {{id: i{i}, context: "key {w} value {v}\\n#[[pad]]\\nkey {w} value", '
+                    f'continuations: {{right: " {v}", wrong: " {u}"}}}}\n' for i, (w, v, u) in enumerate(words))
+    (tmp_path / "set.yaml").write_text(f"name: induction\npadding: {{kind: blank-lines, unit: \"\\n\"}}\n"
+                                       f"answer: right\nitems:\n{items}")
+    argv = ["decide", "--launch", "llama-server", "--engine-bin", str(binary), "--engine-model", str(model),
+            "--tokenizer", str(tmp_path / "tok"), "--set", str(tmp_path / "set.yaml"), "--stride", "4",
+            "--permutations", "50", "--no-progress", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert "scoring: llama.cpp: one request per continuation token" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    # the stand-in's rule copies the value after the repeated key: every prompt decides `right`
+    assert summary["conditions"]["none"]["effect"]["mean"] == 1.0 and summary["items"] == 4
+    assert list(summary["conditions"]) == ["none"] and summary["settings"]["engine"]["api"] == "llamacpp"
+
+
 # ----------------------------------------------------------------------------- --items: the stratified sample
 
 
