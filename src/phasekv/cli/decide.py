@@ -109,7 +109,6 @@ def run(args) -> dict[str, Any]:
 
 def run_served(args, conditions: tuple[str, ...], geometry, options: dict[str, Any]) -> dict[str, Any]:
     """--endpoint / --launch: every flag checked, then (--launch) the engine started for the run's length."""
-    import dataclasses
     from pathlib import Path
 
     from phasekv.conditions.grammar import check_conditions, check_served
@@ -145,7 +144,7 @@ def run_served(args, conditions: tuple[str, ...], geometry, options: dict[str, A
             endpoints = args.endpoint
         endpoint = EndpointOptions(endpoints[0], replicas=tuple(endpoints[1:]), tokenizer=args.tokenizer,
                                    gguf_file=args.gguf_file, model=args.model, **given)
-        check_endpoint_options(dataclasses.replace(endpoint, resume=False))
+        check_endpoint_options(endpoint)
         summary = decide_endpoint(endpoint, args.set, args.out, geometry=geometry, shifts=args.shifts, run=run)
     print(f"scoring: {summary['settings']['scoring']}")
     if "comparison" in summary:

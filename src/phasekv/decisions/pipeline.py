@@ -118,12 +118,11 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
         by_item.setdefault(p.item, []).append(p)
     started = time.perf_counter()
     for condition in tqdm(scored, desc="decide", unit="condition", disable=not progress):
-        score = reference if condition == REFERENCE else scorer
+        score, named = (reference, "none") if condition == REFERENCE and reference else (scorer, condition)
         todo = [item for item in by_item if (condition, item) not in journal.done]
         for start in range(0, len(todo), ITEMS_PER_CALL):  # items share batches; each is journaled when scored
             chunk = todo[start:start + ITEMS_PER_CALL]
-            scores = iter(score("none" if condition == REFERENCE else condition,  # type: ignore[misc]
-                                [p for item in chunk for p in by_item[item]]))
+            scores = iter(score(named, [p for item in chunk for p in by_item[item]]))
             for item in chunk:
                 journal.add(condition, item, [decision_row(p, next(scores)) for p in by_item[item]])
     rows = {c: [r for item in by_item for r in journal.done[(c, item)]] for c in scored}
