@@ -9,7 +9,8 @@ ubatch reports; `-ub` at least the prompt length is clean); with `-fa off`, a pr
 cache with a length of 1 mod 4; with `-ctk q8_0`, a prompt of length 0 mod 4 computed while another request was in
 flight.  Routes: /health, /props, /slots (with `requests`: completions answered so far), /v1/models,
 /completion (n_predict steps, n_probs top log-probabilities, timings.cache_n: the prompt tokens shared with the
-previous request when cache_prompt is on).
+previous request when cache_prompt is on; a positive logit_bias forces its token, whose log-probability is then
+-0.1 where it is the rule's token and -3.0 elsewhere, as llama.cpp reports the raw probability of a forced token).
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
                 k = max(1, body.get("n_probs", 1))  # as many top entries as asked, distinct ids, falling log-probs
                 top = [{"id": token, "logprob": -0.1}] + [{"id": (token + 2 + i) % vocab, "logprob": -2.5 - i}
                                                           for i in range(k - 1)]
-                steps.append({"id": token, "logprob": -0.1, "top_logprobs": top})
-                ids.append(token)
+                forced = [t for t, bias in body.get("logit_bias", []) if bias > 0]  # the pick, not the numbers
+                picked = forced[0] if forced else token
+                steps.append({"id": picked, "logprob": -0.1 if picked == token else -3.0, "top_logprobs": top})
+                ids.append(picked)
             with lock:
                 active[:] = [a for a in active if a is not mine]
             self._send({"model": args.m, "tokens_evaluated": len(prompt), "timings": {"cache_n": shared},

@@ -283,14 +283,6 @@ def test_outputs_resume_and_atomicity(tmp_path):
         resumed["conditions"]["select:3"]["verdict"]
 
 
-def test_decide_refuses_an_endpoint_in_one_line(capsys):
-    from phasekv.cli import main
-
-    assert main(["decide", "--endpoint", "http://127.0.0.1:1", "--out", "x"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "top-k log-probabilities" in err[0]
-
-
 def test_decision_row_margins():
     from phasekv.decisions.pipeline import decision_row
 

@@ -39,6 +39,7 @@ from phasekv.outputs import append_jsonl, check_output_dir, output_dir, partial_
 log = logging.getLogger(__name__)
 
 JOURNAL = "decide_journal.jsonl"
+REFERENCE = "reference"  # the journal's and decisions.jsonl's name of the in-process reference's rows
 ITEMS_PER_CALL = 8  # items scored together (their prompts of equal length batched), then journaled
 
 
@@ -92,15 +93,18 @@ class _Journal:
 
 
 def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, conditions: Sequence[str],
-               settings: dict[str, Any], force: bool = False, resume: bool = False,
+               settings: dict[str, Any], reference: Scorer | None = None, force: bool = False, resume: bool = False,
                progress: bool = True) -> dict[str, Any]:
     """Score `prompts` under each condition (`none` first), publish OUT; returns the summary.
 
     `settings` must hold `stride` and `model` (and whatever else defines the run: it keys the journal) and may hold
-    `minimum_pp`, `n_perm`, `n_boot`, `seed`."""
+    `minimum_pp`, `n_perm`, `n_boot`, `seed`.  `reference` (a served model's weights in process) scores the prompts
+    uncompressed too, journaled as the condition `reference`; summary.json's `comparison` holds the agreement
+    (`stats.compare`)."""
     out = Path(out)
     check_output_dir(out, force, resume)
     conditions = ["none", *[c for c in conditions if c != "none"]]
+    scored = [*conditions, *([REFERENCE] if reference is not None else [])]
     ids_key = hashlib.sha256(json.dumps([[p.item, p.ids, sorted(p.continuations.items())] for p in prompts])
                              .encode()).hexdigest()[:32]
     key = hashlib.sha256(json.dumps({**settings, "prompts": ids_key}, sort_keys=True, default=str).encode()
@@ -110,19 +114,24 @@ def run_decide(scorer: Scorer, prompts: Sequence[Prompt], out: str | Path, *, co
     for p in prompts:
         by_item.setdefault(p.item, []).append(p)
     started = time.perf_counter()
-    for condition in tqdm(conditions, desc="decide", unit="condition", disable=not progress):
+    for condition in tqdm(scored, desc="decide", unit="condition", disable=not progress):
+        score, named = (reference, "none") if condition == REFERENCE and reference else (scorer, condition)
         todo = [item for item in by_item if (condition, item) not in journal.done]
         for start in range(0, len(todo), ITEMS_PER_CALL):  # items share batches; each is journaled when scored
             chunk = todo[start:start + ITEMS_PER_CALL]
-            scores = iter(scorer(condition, [p for item in chunk for p in by_item[item]]))
+            scores = iter(score(named, [p for item in chunk for p in by_item[item]]))
             for item in chunk:
                 journal.add(condition, item, [decision_row(p, next(scores)) for p in by_item[item]])
-    rows = {c: [r for item in by_item for r in journal.done[(c, item)]] for c in conditions}
+    rows = {c: [r for item in by_item for r in journal.done[(c, item)]] for c in scored}
+    reference_rows = rows.pop(REFERENCE, None)
     summary = summarize(rows, settings, chance=float(np.mean([1 / len(g[0].continuations) for g in by_item.values()])))
+    if reference_rows is not None:
+        summary["comparison"] = stats.compare(rows["none"], reference_rows, settings["stride"])
     summary.update({"elapsed_s": time.perf_counter() - started, "resumed_pairs": journal.resumed,
                     "prompt_set_key": ids_key})
     with output_dir(out, force, resume=True) as tmp:  # in place of the run's work and journal
-        write_jsonl(tmp / "decisions.jsonl", [{"condition": c, **r} for c in conditions for r in rows[c]])
+        write_jsonl(tmp / "decisions.jsonl", [{"condition": c, **r} for c in scored
+                                              for r in (rows[c] if c != REFERENCE else reference_rows)])
         write_jsonl(tmp / "items.jsonl", item_rows(rows))
         write_json(tmp / "summary.json", summary)
         write_report(summary, tmp)
@@ -198,6 +207,24 @@ def adapter_scorer(base, geometry, *, batch_size: int = 8, progress: bool = True
     return score
 
 
+def prompt_set(tokenizer, set_name: str, geometry, shifts: int | None,
+               options: dict[str, Any]) -> tuple[list[Prompt], dict[str, Any]]:
+    """(the set's prompts, the run's settings without the model) for `decide_hf` and `decide_endpoint`; `options`
+    may hold items, seed, minimum_pp, n_perm, n_boot."""
+    from phasekv.decisions.prompts import build_prompts
+    from phasekv.decisions.sets import load_set
+
+    decision_set = load_set(set_name)
+    shifts = shifts or geometry.stride
+    prompts = build_prompts(tokenizer, decision_set, shifts=shifts, stride=geometry.stride, items=options.get("items"),
+                            seed=options.get("seed", 0))
+    settings = {"set": decision_set.name, "stride": geometry.stride, "window": geometry.window,
+                "local_window": geometry.local_window, "shifts": shifts,
+                "chat": bool(decision_set.chat and getattr(tokenizer, "chat_template", None)),
+                **{k: options[k] for k in ("items", "minimum_pp", "n_perm", "n_boot", "seed") if k in options}}
+    return prompts, settings
+
+
 def decide_hf(hf: str, set_name: str, out: str | Path, *, conditions: Sequence[str], geometry, shifts: int | None,
               options: dict[str, Any]) -> dict[str, Any]:
     """`phasekv decide --hf`: load the model (`gguf_file`, `device`, `dtype` in `options`), build the set's prompts
@@ -205,22 +232,17 @@ def decide_hf(hf: str, set_name: str, out: str | Path, *, conditions: Sequence[s
     resume, progress."""
     from phasekv.adapters.hf import load_hf
     from phasekv.conditions.grammar import check_conditions
-    from phasekv.decisions.prompts import build_prompts, check_shifts
+    from phasekv.decisions.prompts import check_shifts
     from phasekv.decisions.sets import load_set
 
     check_conditions(tuple(conditions), geometry)
-    decision_set = load_set(set_name)
+    load_set(set_name)  # a broken set file is refused before the model loads
     check_output_dir(Path(out), options.get("force", False), options.get("resume", False))
-    shifts = shifts or geometry.stride
-    check_shifts(shifts, geometry.stride)
+    check_shifts(shifts or geometry.stride, geometry.stride)
     adapter, tokenizer = load_hf(hf, options.get("device", "auto"), options.get("dtype", "float32"),
                                  gguf_file=options.get("gguf_file"))
-    prompts = build_prompts(tokenizer, decision_set, shifts=shifts, stride=geometry.stride, items=options.get("items"))
-    settings = {"model": adapter.info.name, "set": decision_set.name, "stride": geometry.stride,
-                "window": geometry.window, "local_window": geometry.local_window, "shifts": shifts,
-                "conditions": ["none", *[c for c in conditions if c != "none"]],
-                "chat": bool(decision_set.chat and getattr(tokenizer, "chat_template", None)),
-                **{k: options[k] for k in ("items", "minimum_pp", "n_perm", "n_boot", "seed") if k in options}}
+    prompts, settings = prompt_set(tokenizer, set_name, geometry, shifts, options)
+    settings.update({"model": adapter.info.name, "conditions": ["none", *[c for c in conditions if c != "none"]]})
     scorer = adapter_scorer(adapter, geometry, batch_size=options.get("batch_size", 8),
                             progress=options.get("progress", True))
     return run_decide(scorer, prompts, out, conditions=conditions, settings=settings,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from phasekv.decisions.sets import DecisionSet, Item
+from phasekv.decisions.sets import DecisionSet, Item, sample
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,11 @@ def check_shifts(shifts: int, stride: int) -> None:
 
 
 def build_prompts(tokenizer: Any, decision_set: DecisionSet, *, shifts: int, stride: int,
-                  items: int | None = None) -> list[Prompt]:
-    """Every item (the first `items` when given) at shifts 0..shifts-1, item-major; `shifts` must be a multiple
-    of `stride` so every phase group holds every item equally often."""
+                  items: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Every item (with `items`: that many, a sample stratified by kind and seeded, `sets.sample`) at shifts
+    0..shifts-1, item-major; `shifts` must be a multiple of `stride` so every phase group holds every item equally
+    often."""
     check_shifts(shifts, stride)
-    chosen: Sequence[Item] = decision_set.items[:items] if items else decision_set.items
+    chosen: Sequence[Item] = sample(decision_set.items, items, seed)
     return [p for item in chosen for p in item_prompts(tokenizer, item, shifts=shifts, stride=stride,
                                                        chat=decision_set.chat)]

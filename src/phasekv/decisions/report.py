@@ -53,6 +53,17 @@ def write_report(summary: dict[str, Any], out: Path) -> Path:
                      f"<td>{e['phase_p']:.3g}</td><td>{'' if flips is None else f'{flips:.2f}'}</td>"
                      f"<td>{html.escape(result['verdict'])}</td></tr>")
     parts.append("</table>")
+    if "scoring" in s:
+        parts.append(f"<p class='note'>Served model; continuation scoring: {html.escape(s['scoring'])}.</p>")
+    if "comparison" in summary:
+        parts.append("<table><tr><th>phase</th><th>decisions alike</th><th>agreement % [95% CI]</th>"
+                     "<th>mean |log p difference|</th><th>max</th></tr>")
+        for g in [*summary["comparison"]["per_phase"], {**summary["comparison"]["overall"], "phase": "all"}]:
+            parts.append(f"<tr><td>{g['phase']}</td><td>{g['agree']}/{g['n']}</td><td>{pct(g['agreement'])} "
+                         f"[{pct(g['ci_low'])}, {pct(g['ci_high'])}]</td><td>{g['mean_abs_logp_diff']:.4f}</td>"
+                         f"<td>{g['max_abs_logp_diff']:.4f}</td></tr>")
+        parts.append("</table><p class='note'>The engine against --reference-hf (the same weights in process), per "
+                     "phase of the decision point.</p>")
     path = plot_decision_rates(summary, out / "figures" / "decision_rates.png")
     parts.append(figure(path, "Decision rate by phase per condition (Wilson 95% intervals); dashed: the "
                               "uncompressed model under the same padding shifts (the baseline); dotted: chance."))

@@ -24,6 +24,8 @@ Every problem of a file is one ValueError naming the file and the item or field.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,13 @@ class Item:
     continuations: dict[str, str]  # label -> text, two or more
     answer: str  # the label the decision rate counts
     padding: Padding
+
+    @property
+    def kind(self) -> str:
+        """The item's kind, what `sample` stratifies by: its labelled continuations and which one is right
+        ("no/yes:yes", "A/B/C:B"), so a sample keeps yes/no and multiple choice, and each right answer, in
+        proportion."""
+        return f"{'/'.join(sorted(self.continuations))}:{self.answer}"
 
     def text(self, shift: int) -> str:
         """The context with `shift` padding units in its slot."""
@@ -157,3 +166,24 @@ def _known(tree: dict, keys: set[str], where: str) -> None:
     unknown = sorted(str(k) for k in tree if k not in keys)
     if unknown:
         raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(sorted(keys))})")
+
+
+def sample(items: Sequence[Item], n: int | None, seed: int = 0) -> list[Item]:
+    """`n` of `items` (all when n is None or at least their number), stratified by `Item.kind` and seeded: every
+    kind gets one item first, then each next item goes to the kind furthest below its share n * size / total (the
+    earlier kind on a tie), and each kind's items are a seeded random choice; the sample keeps the set's order.
+    With fewer than one item per kind, `n` kinds are a seeded choice, one item each."""
+    if n is None or n >= len(items):
+        return list(items)
+    rng = random.Random(seed)
+    kinds: dict[str, list[int]] = {}
+    for index, item in enumerate(items):
+        kinds.setdefault(item.kind, []).append(index)
+    names = list(kinds)
+    counts = dict.fromkeys(rng.sample(names, n) if n < len(names) else names, 1)
+    for _ in range(n - sum(counts.values())):
+        open_kinds = [k for k in names if counts.get(k, 0) < len(kinds[k])]
+        best = max(open_kinds, key=lambda k: (n * len(kinds[k]) / len(items) - counts.get(k, 0), -names.index(k)))
+        counts[best] = counts.get(best, 0) + 1
+    chosen = sorted(i for k in names if k in counts for i in rng.sample(kinds[k], counts[k]))
+    return [items[i] for i in chosen]

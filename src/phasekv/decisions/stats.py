@@ -20,7 +20,9 @@ resampling and permutation below moves whole items, or shuffles within one item.
     item's most frequent one under that condition; d = flips(condition) - flips(none) per item, a one-sided
     sign-flip permutation test of mean d > 0 ("flips more than the padding alone does"), and the within-item
     permutation test of the disagreement with the uncompressed decision at the same shift by phase ("the extra
-    flips are periodic in S").
+    flips are periodic in S");
+  - a served model against its weights in process (`compare`, --reference-hf): per phase, the share of prompts
+    deciding alike (Wilson interval) and the largest and mean absolute difference of continuation log-probabilities.
 """
 
 from __future__ import annotations
@@ -182,3 +184,31 @@ def verdict_line(effect: Mapping[str, Any]) -> str:
         return f"a phase effect, not shown material: {numbers}"
     return (f"no phase effect detected: {numbers}; contrasts below {effect['minimum_detectable_gap_pp']:.1f} pp "
             "would often go unseen")
+
+
+def _agreement(agree: int, n: int) -> dict[str, Any]:
+    low, high = wilson_interval(agree, n)
+    return {"n": n, "agree": agree, "agreement": agree / n if n else float("nan"), "ci_low": float(low),
+            "ci_high": float(high)}
+
+
+def compare(served: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]], stride: int) -> dict[str, Any]:
+    """The engine's decisions and continuation log-probabilities against the reference's, per phase and overall
+    (`served` and `reference`: decision rows of the same prompts, `phasekv.decisions.pipeline.decision_row`;
+    `phasekv decide --reference-hf`)."""
+    ref = {(r["item"], r["shift"]): r for r in reference}
+    if set(ref) != {(r["item"], r["shift"]) for r in served}:
+        raise ValueError("the reference scored other prompts than the engine")
+    by_phase: dict[int, list[tuple[bool, list[float]]]] = {}
+    for r in served:
+        other = ref[(r["item"], r["shift"])]
+        diffs = [abs(r["logp"][label] - other["logp"][label]) for label in r["logp"]]
+        by_phase.setdefault(r["phase"], []).append((r["decision"] == other["decision"], diffs))
+
+    def summary(rows: list[tuple[bool, list[float]]]) -> dict[str, Any]:
+        diffs = np.array([d for _, ds in rows for d in ds])
+        return {**_agreement(sum(same for same, _ in rows), len(rows)),
+                "max_abs_logp_diff": float(diffs.max()), "mean_abs_logp_diff": float(diffs.mean())}
+
+    per_phase = [{"phase": phase, **summary(by_phase[phase])} for phase in range(stride) if phase in by_phase]
+    return {"per_phase": per_phase, "overall": summary([row for rows in by_phase.values() for row in rows])}

@@ -50,6 +50,17 @@ class Api:
         """The answer of `generate_body`: one Answer per generated token, in order."""
         raise NotImplementedError
 
+    # how `continuation_logprobs` reads a continuation's log-probability (one line in `phasekv decide`'s output);
+    # empty: the API cannot, and `phasekv decide` refuses it
+    scoring = ""
+
+    def continuation_logprobs(self, conn: Connection, prompt: list[int], continuation: list[int], model: str,
+                              cache_prompt: bool) -> tuple[list[float], int | None]:
+        """(log P(continuation[j] | prompt + continuation[:j]) for each j, as the engine computes it with the raw
+        logits of its model; the prompt tokens the engine reused from its cache, None where it does not say).
+        Raises EndpointError for an answer that is not what was asked."""
+        raise NotImplementedError
+
     def server_cache(self, conn: Connection) -> tuple[dict[str, Any] | None, bool]:
         """(the server's own account of its prompt cache, None where it gives none; whether it caches prefixes
         whatever a request asks), read once before any prompt is sent."""

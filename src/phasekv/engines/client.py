@@ -292,6 +292,34 @@ class EndpointAdapter(Adapter):
             if self.journal is not None:
                 self.journal.add(key, answer)
 
+    def continuation_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per (prompt, continuation): the log-probability of each continuation token, teacher-forced by the engine
+        (its API's `continuation_logprobs`; `phasekv decide`), `concurrency` requests at a time per server, in
+        order.  Not journaled here: `phasekv decide` journals each item once its prompts are scored."""
+        if not self.api.scoring:
+            raise EndpointError(f"--api {self.api.name}: phasekv cannot read a continuation's log-probability "
+                                "through this API (llamacpp and openai/vLLM can)")
+        if pairs:
+            self.check_length(max(len(p) + len(c) for p, c in pairs))
+
+        def one(pair: tuple[list[int], list[int]]) -> list[float]:
+            conn = self._free.get()
+            try:
+                values, cached = self.api.continuation_logprobs(conn, list(pair[0]), list(pair[1]), self.model,
+                                                                self.reuse_prefix)
+            finally:
+                self._free.put(conn)
+            if cached and not self.reuse_prefix:
+                raise EndpointError(f"the server reused {cached} cached prompt tokens in a run without prompt cache: "
+                                    "its prefix cache is on (vLLM: start it with --no-enable-prefix-caching)")
+            return values
+
+        pool = ThreadPoolExecutor(self.concurrency * len(self.conns))
+        try:
+            return list(pool.map(one, pairs))
+        finally:  # after a failure nothing more is sent
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()

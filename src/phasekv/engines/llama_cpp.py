@@ -32,9 +32,12 @@ from phasekv.engines.wire import (
     ServerInfo,
     not_completion,
     ranked,
+    scored_logprob,
     served_models,
     strict_id,
 )
+
+FORCE_BIAS = 1e4  # a logit bias no raw logit difference comes near: the biased token is the greedy pick
 
 
 def llama_step(step: Any, cached: int | None = None, *, strict: bool = True) -> Answer:
@@ -61,6 +64,34 @@ class LlamaCppApi(Api):
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise not_completion(self.name, payload) from None
         return answer, read
+
+    scoring = ("llama.cpp: one request per continuation token, the token forced by logit_bias; the log-probability "
+               "read is the engine's softmax of its raw logits (exact; below float32's range read as -9999)")
+
+    def continuation_logprobs(self, conn, prompt, continuation, model, cache_prompt):
+        """Teacher forcing one token per request: prompt + continuation[:j], n_predict 1, continuation[j] forced by
+        `logit_bias`.  llama.cpp reports the sampled token's probability from the softmax of the raw logits (its
+        README: with temperature < 0 "a simple softmax of the logits without considering any other sampler
+        settings"), so the bias moves the pick, not the number."""
+        out, cached = [], 0
+        for j, token in enumerate(continuation):
+            ids = [*prompt, *continuation[:j]]
+            payload = conn.request("POST", self.path, {**self.body(ids, 1, model, cache_prompt),
+                                                       "logit_bias": [[token, FORCE_BIAS]]})
+            try:
+                step = payload["completion_probabilities"][0]
+                picked, read = strict_id(step["id"]), payload.get("tokens_evaluated")
+                out.append(scored_logprob(step["logprob"], token))
+                cached += int((payload.get("timings") or {}).get("cache_n") or 0)
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+                raise not_completion(self.name, payload) from None
+            if picked != token:
+                raise EndpointError(f"{conn.url}: logit_bias did not force token {token} (the server picked "
+                                    f"{picked}): it cannot score a continuation this way")
+            if read is not None and read != len(ids):
+                raise EndpointError(f"{conn.url}: read {read} prompt tokens of the {len(ids)} sent (a BOS added, or "
+                                    "a prompt cut?)")
+        return out, cached
 
     def identify(self, conn, model):
         props = conn.get_optional("/props")

@@ -20,6 +20,7 @@ from phasekv.engines.wire import (
     not_completion,
     pick_model,
     ranked,
+    scored_logprob,
     served_models,
 )
 
@@ -50,6 +51,35 @@ class OpenAIApi(Api):
             raise
         except (KeyError, IndexError, TypeError, AttributeError, ValueError):
             raise not_completion(self.name, payload) from None
+
+    scoring = ("vLLM: one request per continuation, prompt + continuation with prompt_logprobs; the log-probability "
+               "of each continuation token is the engine's own, from its raw logits (exact)")
+
+    def continuation_logprobs(self, conn, prompt, continuation, model, cache_prompt):
+        """One request: prompt + continuation as the prompt, `prompt_logprobs` 0 (vLLM: each prompt position's own
+        token's log-probability, the actual token always included), read at the continuation's positions.  A server
+        without prompt log-probabilities (llama.cpp's /v1/completions) is refused in one line."""
+        ids = [*prompt, *continuation]
+        payload = conn.request("POST", self.path, {**self.body(ids, 1, model, cache_prompt), "prompt_logprobs": 0})
+        try:
+            choice = payload["choices"][0]
+            usage = payload.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            read = usage.get("prompt_tokens")
+            positions = choice.get("prompt_logprobs")
+            if positions is None:
+                raise EndpointError(f"{conn.url}: answers without prompt_logprobs, so it cannot score a continuation "
+                                    "through /v1/completions (llama.cpp: use --api llamacpp)")
+            out = [scored_logprob(positions[len(prompt) + j][str(token)]["logprob"], token)
+                   for j, token in enumerate(continuation)]
+        except EndpointError:
+            raise
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            raise not_completion(self.name, payload) from None
+        if read is not None and read != len(ids):
+            raise EndpointError(f"{conn.url}: read {read} prompt tokens of the {len(ids)} sent (a BOS added, or a "
+                                "prompt cut?)")
+        return out, cached
 
     def identify(self, conn, model):
         served = served_models(conn)

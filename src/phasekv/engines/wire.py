@@ -203,6 +203,22 @@ def strict_logprob(value: Any) -> float:
         raise ValueError(f"log-probability {value} is out of range") from None
 
 
+# a continuation token whose probability is below float32's range (the engine says -inf, or JSON null): read as
+# this log-probability, as vLLM itself clamps its prompt log-probabilities
+LOGPROB_FLOOR = -9999.0
+
+
+def scored_logprob(value: Any, token: int) -> float:
+    """A continuation token's log-probability as the engine gave it: a number <= 0 (a rounding of 1e-4 above
+    allowed), or null/-inf for a probability that underflowed (`LOGPROB_FLOOR`)."""
+    if value is None or (isinstance(value, float) and value == float("-inf")):
+        return LOGPROB_FLOOR
+    lp = strict_logprob(value)
+    if not (math.isfinite(lp) and lp <= 1e-4):
+        raise ValueError(f"token {token}: log-probability {lp} is not a log-probability")
+    return max(min(lp, 0.0), LOGPROB_FLOOR)
+
+
 def served_models(conn: Connection) -> list[dict[str, Any]]:
     """The entries of an OpenAI-style /v1/models listing ([] where the server has none)."""
     listing = conn.get_optional("/v1/models")
