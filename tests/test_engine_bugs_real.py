@@ -1,0 +1,98 @@
+"""The engine-bug shapes of tests/test_engine_bug_shapes.py through the REAL llama-server serving SmolLM2 (`make
+engine`, `make real-model`): a proxy in front of it (tests/engine.py's CorruptingProxy) swaps the top-2 answer tokens
+of the prompts a bug shape picks, and `phasekv audit --endpoint ... --protocol query` must give each shape the verdict
+the query protocol promises (phasekv.evaluate.query_stats): a length-mod-4 bug is "phase sensitive: period 4" (at 64
+prompts per phase and at the default); errors growing linearly with the prompt length are no query-phase effect, with
+the length trend reported (at 16 prompts per phase and at the default); "everything from length L on is wrong" is no
+phase effect either.  One server for every case, and one answer cache in front of it shared by all proxies (the bug
+is applied after the cache), so that each distinct prompt reaches the server once."""
+
+import json
+import zlib
+
+import pytest
+
+from tests.engine import LLAMA_SERVER, CorruptingProxy, engine_present
+from tests.helpers import SMOL, SMOL_FILE, needs_real
+
+needs_smol = needs_real(engine_present, "llama-server not built (make engine) or real model absent (make real-model)")
+STRIDE = 4
+FLAGS = ["--tokenizer", str(SMOL), "--gguf-file", SMOL_FILE, "--format", "records", "--records", "6", "--demos", "1",
+         "--stride", str(STRIDE), "--protocol", "query", "--threads", "1", "--no-progress"]
+PHASE_CLAIMS = ("phase sensitive", "a phase effect", "a small phase effect")
+
+
+def prompt_lengths() -> tuple[int, int]:
+    """The shortest and longest prompt (tokens) of the audit's query set: the same at every prompts-per-phase."""
+    from phasekv.adapters.hf import load_tokenizer
+    from phasekv.config import audit_config
+    from phasekv.data.formats import FormatVocabulary, load_format
+    from phasekv.evaluate.sources import audit_sets
+
+    tokenizer = load_tokenizer(str(SMOL), SMOL_FILE, flag="--tokenizer")
+    cfg = audit_config(records=6, demos=1, stride=STRIDE)
+    (eval_set,) = audit_sets(FormatVocabulary(load_format("records", False), tokenizer), cfg, ("query",), 16).values()
+    lengths = [len(p.ids) for p in eval_set.prompts()]
+    return min(lengths), max(lengths)
+
+
+def shapes(shortest: int, longest: int) -> dict:
+    """Bug shape -> the predicate on a prompt's token ids that makes the engine answer wrong."""
+    middle = (shortest + longest + 1) // 2
+    return {
+        "mod4": lambda ids: len(ids) % 4 == 3,
+        "threshold": lambda ids: len(ids) >= middle,  # everything from the middle length on is wrong
+        # the error rate rises linearly from 0 at the shortest prompt to 80% at the longest (a hash of the prompt
+        # picks which ones), nothing periodic
+        "linear": lambda ids: zlib.crc32(json.dumps(ids).encode()) % 1000
+        < 800 * (len(ids) - shortest) / (longest - shortest),
+    }
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(a function running one audit through a bug proxy -> its summary's query phase, the bug shapes)."""
+    from phasekv.cli import main
+    from phasekv.engines.registry import launcher, started
+
+    cache: dict = {}
+    bugs = shapes(*prompt_lengths())
+    with started(launcher("llama-server"), LLAMA_SERVER, SMOL / SMOL_FILE, {}, context=2048) as url:
+        def audit(shape, out, per_phase=None):
+            size = [] if per_phase is None else ["--prompts-per-phase", str(per_phase)]
+            with CorruptingProxy(url, wrong=bugs[shape], cache=cache) as proxy:
+                code = main(["audit", "--endpoint", proxy.url, *FLAGS, *size, "--out", str(out)])
+            assert code == 0 and proxy.corrupted > 0
+            summary = json.loads((out / "summary.json").read_text())
+            return summary["conditions"]["none"]["query"]["query_phase"]
+
+        yield audit
+
+
+@needs_smol
+@pytest.mark.slow
+@pytest.mark.parametrize("per_phase", [64, None])  # None: the audit's default prompts per phase
+def test_a_length_mod_4_bug_is_phase_sensitive_with_period_4(served, per_phase, tmp_path):
+    query = served("mod4", tmp_path / "mod4", per_phase)
+    assert query["verdict"].startswith("phase sensitive: period 4"), query["verdict"]
+
+
+@needs_smol
+@pytest.mark.slow
+@pytest.mark.parametrize("per_phase", [16, None])
+def test_errors_growing_linearly_with_the_length_are_no_query_phase_effect(served, per_phase, tmp_path):
+    query = served("linear", tmp_path / "linear", per_phase)
+    assert not query["verdict"].startswith(PHASE_CLAIMS), query["verdict"]
+    trend = query["length_trend"]  # reported beside the verdict, with its interval
+    assert f"accuracy changes by {trend['pp_per_stride']:+.1f} pp per {STRIDE} tokens" in query["verdict"]
+    assert trend["pp_per_stride"] < 0
+    if per_phase is None:  # the default size resolves the trend: its whole interval lies below 0
+        assert trend["ci_pp"][1] < 0, trend
+
+
+@needs_smol
+@pytest.mark.slow
+def test_everything_past_a_length_wrong_is_no_query_phase_effect(served, tmp_path):
+    query = served("threshold", tmp_path / "threshold")
+    assert not query["verdict"].startswith(PHASE_CLAIMS), query["verdict"]
+    assert query["length_trend"]["ci_pp"][1] < 0, query["length_trend"]
