@@ -4,8 +4,9 @@ of the prompts a bug shape picks, and `phasekv audit --endpoint ... --protocol q
 the query protocol promises (phasekv.evaluate.query_stats): a length-mod-4 bug is "phase sensitive: period 4" (at 64
 prompts per phase and at the default); errors growing linearly with the prompt length are no query-phase effect, with
 the length trend reported (at 16 prompts per phase and at the default); "everything from length L on is wrong" is no
-phase effect either.  One server for every case, and one answer cache in front of it shared by all proxies (the bug
-is applied after the cache), so that each distinct prompt reaches the server once."""
+phase effect either.  One server for every case, one answer cache in front of it shared by all proxies (the bug is
+applied after the cache), so that each distinct prompt reaches the server once (the three shapes at the default size
+share one prompt set), and a context's queries sent back to back on the server's cached prefix (--reuse-prefix)."""
 
 import json
 import zlib
@@ -18,7 +19,7 @@ from tests.helpers import SMOL, SMOL_FILE, needs_real
 needs_smol = needs_real(engine_present, "llama-server not built (make engine) or real model absent (make real-model)")
 STRIDE = 4
 FLAGS = ["--tokenizer", str(SMOL), "--gguf-file", SMOL_FILE, "--format", "records", "--records", "6", "--demos", "1",
-         "--stride", str(STRIDE), "--protocol", "query", "--threads", "1", "--no-progress"]
+         "--stride", str(STRIDE), "--protocol", "query", "--reuse-prefix", "--threads", "1", "--no-progress"]
 PHASE_CLAIMS = ("phase sensitive", "a phase effect", "a small phase effect")
 
 
