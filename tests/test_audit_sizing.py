@@ -76,4 +76,5 @@ def test_the_family_wise_line_says_no_where_one_of_several_tests_rejects_alone()
     assert line == ("family-wise (Holm) over 6 flatness tests: 0 reject at 5%, smallest adjusted p = 0.12 "
                     "(none/query phase)")
     conditions["none"]["query"]["query_phase"]["flatness_p"] = 0.001
-    assert "1 reject at 5%, smallest adjusted p = 0.006 (none/query phase)" in family_wise(conditions, ("prefix", "query"))
+    line = family_wise(conditions, ("prefix", "query"))
+    assert "1 reject at 5%, smallest adjusted p = 0.006 (none/query phase)" in line

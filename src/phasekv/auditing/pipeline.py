@@ -163,8 +163,8 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
 
 def family_wise(conditions: dict[str, Any], protocols: tuple[str, ...]) -> str:
     """One line of Holm's family-wise view of every flatness p-value behind the audit's verdicts (each condition and
-    protocol, and the query protocol's query phase): an audit prints several verdicts on the same prompts, and
-    an outside audit found "a phase effect" somewhere in about 17% of flat audits at 5% per test (`verdict.holm_line`)."""
+    protocol, and the query protocol's query phase): an audit prints several verdicts on the same prompts, and an
+    outside audit found "a phase effect" somewhere in about 17% of flat audits at 5% per test (`verdict.holm_line`)."""
     pvalues = {}
     for name, result in conditions.items():
         for protocol in (p for p in protocols if p in result):

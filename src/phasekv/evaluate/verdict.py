@@ -12,10 +12,10 @@ its number (the module constants; tests/test_verdict.py pins every one just insi
    null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few clusters to
    split there is no bound and no material effect.
 
-"phase sensitive: period P" needs all three; P is the divisor d > 1 of R whose binomial model has the lowest BIC
-(`verdict_period`): once the cluster-aware test has rejected flatness, the question is which period explains the
-curve, not whether it is flat, which BIC answers for independent prompts only and, at an audit's size, too
-conservatively (BIC's d log N penalty outweighs a 30 pp dip at one of 8 phases of 64 prompts).
+"phase sensitive: period P" needs all three; P divides the stride S (`verdict_period`): S, unless the cluster-aware
+nested test does not reject "the curve is its fold mod d" at PERIOD_ALPHA for a proper divisor d (the smallest such
+d).  Variation over the design's own cycle R that the phases mod S do not show is a layout or length trend, never a
+period.
 
 Why the contrast and a one-sided bound, not the best-minus-worst gap's two-sided interval: the paper's effect is a
 weak phase; the upper half of the groups is measured four to twelve times as precisely as the best group, so the
