@@ -13,7 +13,8 @@ the single-phase gaps `--gaps` at phase 7; `p4-30` (30 pp at phases 3 and 7: per
 plus the trend).  One thread; the last line is `name=value` pairs: `fpr@D` (rate of any phase effect on flat
 models), `fprctx@D`, `fprTREND@D` (the same under context effects and each trend), `powerG@D` (rate of "phase
 sensitive" at a G pp single-phase gap), `power30trend@D`, `period4@D` (the rate of "period 4" among the correct
-detections of the period-4 effect) and `mde80@D` (the smallest simulated single-phase gap found >= 80% of the
+detections of the period-4 effect), `period8@D` (the rate of "period 8", the stride, among the correct detections
+of the 30 pp single-phase gap) and `mde80@D` (the smallest simulated single-phase gap found >= 80% of the
 time, `>G` when none is).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/verdict_power.py [--designs audit-prefix query24] \
@@ -100,6 +101,9 @@ def main() -> None:
             elif label.startswith("g"):
                 found[effect.gap_pp] = r["rates"]["sensitive"]
                 pairs.append(f"power{effect.gap_pp:g}@{name}={r['rates']['sensitive']:.3f}")
+                if effect.gap_pp == 30:  # one weak phase of S: the period is the stride
+                    named = r["periods"].get(d.stride, 0) / max(1, r["counts"]["sensitive"])
+                    pairs.append(f"period{d.stride}@{name}={named:.3f}")
             elif label == "30+linear":
                 pairs.append(f"power30trend@{name}={r['rates']['sensitive']:.3f}")
             elif label == "p4-30":

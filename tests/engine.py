@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -133,12 +134,27 @@ class CountingProxy(Proxy):
 class CorruptingProxy(Proxy):
     """A loopback HTTP proxy to a llama.cpp server that plants a phase bug: the answer to every /completion prompt
     whose length is `residue` mod `modulus` has its top-2 tokens swapped (the greedy token becomes the runner-up,
-    the shape of vLLM #55927); `on=False` forwards everything unchanged.  Other routes pass through."""
+    the shape of vLLM #55927); `on=False` forwards everything unchanged.  Other routes pass through.
+    `wrong`: another bug shape, a predicate on the prompt's token ids that picks the answers to swap (e.g. a length
+    threshold or a rate growing with the length), instead of the residue.  `cache`: a dict shared by several proxies
+    in front of one server, holding the server's answers by request body, so that a prompt several audits send
+    reaches the server once (the bug is applied after the cache)."""
 
-    def __init__(self, target: str, residue: int, modulus: int = 4, on: bool = True):
+    def __init__(self, target: str, residue: int = 0, modulus: int = 4, on: bool = True,
+                 wrong: Callable[[list[int]], bool] | None = None, cache: dict[bytes, httpx.Response] | None = None):
         super().__init__(target)
         self.residue, self.modulus, self.on, self.corrupted = residue, modulus, on, 0
+        self.wrong = wrong or (lambda ids: len(ids) % self.modulus == self.residue)
         proxy = self
+
+        def forward(body: bytes) -> httpx.Response:
+            if cache is not None and body in cache:
+                return cache[body]
+            answer = proxy._client.post(proxy.target + "/completion", content=body,
+                                        headers={"Content-Type": "application/json"})
+            if cache is not None and answer.status_code == 200:
+                cache[body] = answer
+            return answer
 
         class Handler(QuietHandler):
             def do_GET(self):
@@ -146,19 +162,23 @@ class CorruptingProxy(Proxy):
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                answer = proxy._client.post(proxy.target + self.path, content=body,
-                                            headers={"Content-Type": "application/json"})
+                if self.path != "/completion":
+                    reply(self, proxy._client.post(proxy.target + self.path, content=body,
+                                                   headers={"Content-Type": "application/json"}))
+                    return
+                answer = forward(body)
                 request = json.loads(body)
-                if (proxy.on and self.path == "/completion" and answer.status_code == 200
-                        and len(request["prompt"]) % proxy.modulus == proxy.residue):
+                if proxy.on and answer.status_code == 200 and proxy.wrong(list(request["prompt"])):
                     payload = answer.json()
                     step = payload["completion_probabilities"][0]
                     top = sorted(step["top_logprobs"], key=lambda t: -t["logprob"])
                     if len(top) >= 2:
                         top[0]["logprob"], top[1]["logprob"] = top[1]["logprob"], top[0]["logprob"]
                         step["top_logprobs"], step["id"] = [top[1], top[0], *top[2:]], top[1]["id"]
-                        proxy.corrupted += 1
+                        with proxy._lock:
+                            proxy.corrupted += 1
                     answer = httpx.Response(200, json=payload)
                 reply(self, answer)
 
+        self._lock = threading.Lock()
         self._serve(Handler)

@@ -188,13 +188,15 @@ def test_the_minimum_detectable_gap_is_printed_with_every_absence():
 # ------------------------------------------------------------- periods, small runs, layout trends, Holm (issue 50)
 
 def test_the_period_divides_the_stride_and_s_is_kept_unless_a_divisor_fits():
-    from phasekv.evaluate.verdict import verdict_period
+    from phasekv.evaluate.verdict import PERIOD_ALPHA, verdict_period
 
     base = {"stride": 8, "period_scores": {"1": 9.0, "2": 9.0, "4": 9.0, "8": 3.0, "24": 0.0}}
-    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.01}}) == 8  # both folds rejected
-    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.05}}) == 4  # mod 4 fits: p >= alpha
+    assert PERIOD_ALPHA == 0.01
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.0099}}) == 8  # both folds rejected
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.01}}) == 4  # mod 4 fits: p >= 1%
+    assert verdict_period({**base, "period_nested_p": {"2": 0.001, "4": 0.03}}) == 4  # rejected at 5%, not at 1%
     assert verdict_period({**base, "period_nested_p": {"2": 0.2, "4": 0.3}}) == 2  # the smallest that fits
-    assert verdict_period({**base, "period_nested_p": {"2": 0.049, "4": 0.0499}}) == 8
+    assert verdict_period({**base, "period_nested_p": {"2": 0.0099, "4": 0.00999}}) == 8
     assert verdict_period(base) == 8  # without nested tests: BIC over the divisors of S only, never 24
 
 

@@ -57,7 +57,10 @@ def add_parser(sub) -> None:  # long: every flag of the command, in its --help g
                          "(default 0.5), a verdict per depth and the depth x phase map")
     prompts.add_argument("--records", type=int, default=AUDIT_DEFAULTS["records"], help="records per prompt")
     prompts.add_argument("--demos", type=int, default=AUDIT_DEFAULTS["demos"], help="demonstrations per prompt")
-    prompts.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
+    size = prompts.add_mutually_exclusive_group()
+    size.add_argument("--prompts-per-phase", type=int, default=PLAN.prompts_per_phase)
+    size.add_argument("--target-mde", type=float, metavar="PP", help="choose the prompts per phase that detect a "
+                      "PP-point single-phase gap 80%% of the time (docs/power.md); prints the choice and its cost")
     prompts.add_argument("--batch-size", type=int, default=AUDIT_DEFAULTS["batch_size"])
     prompts.add_argument("--seed", type=int, default=0)
     conditions = p.add_argument_group("conditions (in-process models)")
@@ -129,6 +132,8 @@ def print_verdicts(summary: dict[str, Any]) -> None:
             print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
             if protocol == "query":
                 print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
+    if summary.get("family_wise"):
+        print(f"{'all verdicts':>24}  {summary['family_wise']}")
 
 
 def check_flags(args, conditions: tuple[str, ...]) -> None:
@@ -162,11 +167,13 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
     from phasekv.auditing.pipeline import run_audit
+    from phasekv.cli.flags import apply_target_mde
     from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
 
     conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
+    apply_target_mde(args, len(conditions))
     check_flags(args, conditions)
     expected = check_gate_flags(args)
     if args.dry_run:

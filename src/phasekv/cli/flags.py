@@ -213,6 +213,29 @@ def check_eval_results(args) -> None:
         check_output_dir(Path(args.eval_results), args.force)
 
 
+def apply_target_mde(args, conditions: int) -> None:
+    """`phasekv audit --target-mde PP`: the fewest prompts per phase whose detectable gap on the simulated audit
+    designs is at most PP (`phasekv.evaluate.sizing.prompts_per_phase_for`, docs/power.md) replace
+    --prompts-per-phase, and one line says the choice and its cost (`conditions`: the conditions each protocol's
+    prompts run under).  Nothing for an audit without the flag."""
+    import math
+
+    from phasekv.evaluate.sizing import MATERIAL_GAP_PP, detectable_gap_pp, prompts_per_phase_for
+
+    target = getattr(args, "target_mde", None)
+    if target is None:
+        return
+    if not (math.isfinite(target) and target > MATERIAL_GAP_PP):
+        raise ValueError(f"--target-mde: must be a finite gap above the material minimum {MATERIAL_GAP_PP:g} pp "
+                         f"(no size detects less), got {target:g}")
+    args.prompts_per_phase = n = prompts_per_phase_for(target)
+    prompts = n * args.stride
+    print(f"--target-mde {target:g} pp: {n} prompts per phase (the gap found 80% of the time: about "
+          f"{detectable_gap_pp(n):.1f} pp on the simulated audit designs, docs/power.md); cost: {prompts:,} prompts "
+          f"per protocol and condition or more (whole clusters), {prompts * len(set(args.protocol)) * conditions:,} "
+          f"in all")
+
+
 def prompts_at_least(cfg) -> int:
     """A lower bound of the prompts an EvalConfig describes, from the settings alone: build_eval_set makes
     n_clusters x R contexts of targets_per_context prompts; unset, the targets are R / g and the clusters a multiple

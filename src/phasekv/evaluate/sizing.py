@@ -44,7 +44,7 @@ def prompts_per_phase_for(target_mde_pp: float, multiple: int = 1) -> int:
     if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
         raise ValueError(f"multiple: must be an integer >= 1, got {multiple!r}")
     n = math.ceil(((BOUND_SD + norm.ppf(POWER)) * CONTRAST_SD_UNIT_PP / (target_mde_pp - MATERIAL_GAP_PP)) ** 2)
-    n = multiple * math.ceil(n / multiple)
+    n = multiple * max(1, math.ceil(n / multiple))
     while detectable_gap_pp(n) > target_mde_pp:  # float rounding at the boundary
         n += multiple
     return n

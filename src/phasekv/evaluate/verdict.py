@@ -12,10 +12,10 @@ its number (the module constants; tests/test_verdict.py pins every one just insi
    null's 95th percentile.  The cross-fitted (selection-free) bound is the only source: with too few clusters to
    split there is no bound and no material effect.
 
-"phase sensitive: period P" needs all three; P is the divisor d > 1 of R whose binomial model has the lowest BIC
-(`verdict_period`): once the cluster-aware test has rejected flatness, the question is which period explains the
-curve, not whether it is flat, which BIC answers for independent prompts only and, at an audit's size, too
-conservatively (BIC's d log N penalty outweighs a 30 pp dip at one of 8 phases of 64 prompts).
+"phase sensitive: period P" needs all three; P divides the stride S (`verdict_period`): S, unless the cluster-aware
+nested test does not reject "the curve is its fold mod d" at PERIOD_ALPHA for a proper divisor d (the smallest such
+d).  Variation over the design's own cycle R that the phases mod S do not show is a layout or length trend, never a
+period.
 
 Why the contrast and a one-sided bound, not the best-minus-worst gap's two-sided interval: the paper's effect is a
 weak phase; the upper half of the groups is measured four to twelve times as precisely as the best group, so the
@@ -49,6 +49,11 @@ FLATNESS_ALPHA = 0.05  # 2. phase-dependent: the cluster permutation test reject
 MATERIAL_GAP_PP = 10.0  # 3. material: the contrast's one-sided 95% lower bound >= 10 pp AND the gap above null p95
 DETECTION_POWER = 0.80  # the minimum detectable gap is the contrast found this often
 MIN_CLUSTERS = 8  # fewer clusters: no bounds and no detectable gap of the run's own (`too_small`)
+# the nested test's level: a proper divisor d of S is named where "the curve is its fold mod d" is not rejected at
+# 1%.  At 5% a true period-4 curve was named 8 in 5% of its detections by construction (the test's own level: 10 of
+# 300 at the audit's prefix default); at 1% 1 of 300, while one weak phase of 8 (30 pp) still rejects every fold in
+# 292 of 292 detections (benchmarks/verdict_power.py's period4@ and period8@, docs/power.md)
+PERIOD_ALPHA = 0.01
 
 
 def material_gap_bound(metrics: dict) -> tuple[float | None, list[float] | None, str]:
@@ -119,12 +124,12 @@ def holm_adjusted(pvalues: Sequence[float]) -> list[float]:
 def verdict_period(metrics: dict) -> int:
     """The period the verdict names, always a divisor of the stride S (a period of the design's own cycle R, the
     shift, is a layout or length trend, never a phase): S, unless the nested test `period_nested_p` does not reject
-    "the phase curve is its fold mod d" at FLATNESS_ALPHA for a proper divisor d > 1 (the smallest such d).  Without
+    "the phase curve is its fold mod d" at PERIOD_ALPHA for a proper divisor d > 1 (the smallest such d).  Without
     the nested tests (older metrics), the divisor d > 1 of S with the lowest BIC in `period_scores`; 1 when S = 1."""
     S = int(metrics.get("stride") or max(int(d) for d in metrics["period_scores"]))
     nested = metrics.get("period_nested_p")
     if nested is not None:
-        fits = [int(d) for d, p in nested.items() if p is not None and p >= FLATNESS_ALPHA and S % int(d) == 0]
+        fits = [int(d) for d, p in nested.items() if p is not None and p >= PERIOD_ALPHA and S % int(d) == 0]
         return min(fits, default=S)
     scores = {int(d): s for d, s in metrics["period_scores"].items() if int(d) > 1 and S % int(d) == 0}
     if not scores:
