@@ -27,6 +27,7 @@ def add_parser(sub) -> None:  # long: every flag of the command, in its --help g
     model = p.add_argument_group("source and model (one of --hf, --endpoint, --launch)")
     source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
+    source.add_argument("--checkpoint", help="a phasekv checkpoint: with --context, --family records")
     model.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the "
                                            "gguf extra: make real-model)")
     model.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -141,6 +142,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
         raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
                          "of other records (--demos)")
     check_source_flags(args)
+    if args.checkpoint is not None and (args.context is None or conditions != ("none",)):
+        raise ValueError("--checkpoint: a phasekv checkpoint compresses in its own layers and has its own vocabulary: "
+                         "audit it on a long-context set (--context TOKENS --family records) under condition none")
     if args.endpoint is None:
         resolve_device(args.device or "auto")
     if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
@@ -154,11 +158,12 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 
 def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
-    from phasekv.auditing.pipeline import run_audit
+    from phasekv.auditing.pipeline import checkpoint_subject, run_audit
     from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
 
-    conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
+    own = args.endpoint or args.launch or args.checkpoint  # compressed by the engine or the model itself
+    conditions = (*(args.compress or (("none",) if own else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
     check_flags(args, conditions)
     expected = check_gate_flags(args)
@@ -182,13 +187,16 @@ def run(args) -> dict[str, Any]:
     reference = None
     if args.reference_hf is not None:
         reference, _ = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
+    spec = long_spec(args)
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
+    elif args.checkpoint is not None:
+        adapter, tokenizer, spec = checkpoint_subject(args.checkpoint, spec)
     else:
         adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
-                            progress=not args.no_progress, reference=reference, long_context=long_spec(args))
+                            progress=not args.no_progress, reference=reference, long_context=spec)
     finally:
         if args.endpoint is not None:
             adapter.close()
@@ -240,7 +248,7 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
     cost printed; nothing written.  Without --tokens-per-s an endpoint's rate comes from one timed probe request."""
     from phasekv.adapters.hf import load_tokenizer
     from phasekv.auditing.cost import cost_lines, probe_rate, run_cost
-    from phasekv.auditing.pipeline import long_sets
+    from phasekv.auditing.pipeline import checkpoint_subject, long_sets
     from phasekv.data.formats import FormatVocabulary, load_format
     from phasekv.engines.client import open_endpoint
     from phasekv.evaluate.sources import audit_sets
@@ -250,10 +258,12 @@ def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
     adapter = None
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args))  # the server's metadata; no journal
-    else:
+    elif args.checkpoint is None:
         tokenizer = load_tokenizer(args.hf or args.tokenizer, args.gguf_file, flag="--hf" if args.hf else "--tokenizer")
     try:
         cfg, spec, protocols = config_of(args), long_spec(args), tuple(dict.fromkeys(args.protocol))
+        if args.checkpoint is not None:
+            _, tokenizer, spec = checkpoint_subject(args.checkpoint, spec)
         sets = long_sets(spec, tokenizer, protocols) if spec else audit_sets(
             FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg, protocols, args.prompts_per_phase)
         rate, source = args.tokens_per_s, "--tokens-per-s"
