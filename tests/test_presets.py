@@ -26,7 +26,8 @@ CPU_EXTRA = {"full-1kv-long", "full-4kv", "w8s4-4kv", "w12s12-4kv", "w8s8-unifor
              "minimax-m3",  # issue 39: MiniMax-M3 block-sparse attention (transformers family)
              "w9s8-4kv-gaps",  # issue 40: W9/S8 trained with fillers between records (a fix under both paddings)
              "w8s8-4kv-gaps",  # issue 40: its control, W8/S8 trained the same way
-             "dsv41-csa2"}  # issue 53: DeepSeek-V4.1's CSA2 schedule in phasekv's own model
+             "dsv41-csa2",  # issue 53: DeepSeek-V4.1's CSA2 schedule in phasekv's own model
+             "w8s8-4kv-long"}  # issue 51: w8s8-4kv warm-started at 4,096 tokens (the long-context audit's subject)
 
 
 @pytest.mark.parametrize("scale, extra", [("cpu", CPU_EXTRA), ("paper", set())])

@@ -183,3 +183,26 @@ def test_lr_horizons_reproduce_a_run_resumed_with_more_steps(tmp_path):
     for bad in ([6], [0], [4, 3], ["3"], [True]):
         with pytest.raises(ValueError, match="train.lr_horizons"):
             experiment(steps=6, lr_horizons=bad)
+
+
+def test_a_warm_start_begins_from_the_source_weights_and_refuses_another_model(tmp_path):
+    """train.init_from: step 1's loss is the source model's loss on that batch (a fresh model's differs), the longer
+    max_position_embeddings is accepted, any other model change is one line; a resumed run reads its own checkpoint."""
+    train(experiment(steps=3, checkpoint_every=3, eval_every=3), tmp_path / "source", progress=False)
+    source_final = load_checkpoint(tmp_path / "source")[0].state_dict()
+    longer = {**TINY["model"], "max_position_embeddings": 512}
+    tree = {**json.loads(json.dumps(TINY)), "model": longer}
+    tree["train"].update(steps=1, lr=1e-9, warmup_steps=0, eval_every=1, checkpoint_every=1,
+                         init_from=str(tmp_path / "source"))
+    train(Experiment.from_tree(tree), tmp_path / "warm", progress=False)
+    warm = load_checkpoint(tmp_path / "warm")[0].state_dict()
+    assert all(torch.allclose(warm[k], source_final[k], atol=1e-5) for k in source_final)
+    tree["train"]["init_from"] = ""
+    train(Experiment.from_tree(tree), tmp_path / "cold", progress=False)
+    cold = load_checkpoint(tmp_path / "cold")[0].state_dict()
+    assert not all(torch.allclose(cold[k], source_final[k], atol=1e-5) for k in source_final)
+    tree["model"] = {**longer, "hidden_size": 48}
+    tree["train"]["init_from"] = str(tmp_path / "source")
+    with pytest.raises(ValueError, match=r"train.init_from .*differs from this one in \['hidden_size'\]") as info:
+        train(Experiment.from_tree(tree), tmp_path / "other", progress=False)
+    assert "\n" not in str(info.value)

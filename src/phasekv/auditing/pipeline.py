@@ -92,6 +92,28 @@ def long_sets(spec: LongContextSpec, tokenizer: Any, protocols: tuple[str, ...])
     return {p: LongContextSet(dataclasses.replace(spec, protocol=p), tokenizer) for p in protocols}
 
 
+def checkpoint_subject(path: str | Path, spec: LongContextSpec, prefill_chunk: int = 0
+                       ) -> tuple[Adapter, Any, LongContextSpec]:
+    """A phasekv checkpoint as the subject of a long-context audit: (its adapter, its word vocabulary, which the
+    prompt set takes as its tokenizer (`phasekv.data.keyspace.vocabulary_key_space`), `spec` with the records, key
+    length and local window of its training data: the layout it learned)."""
+    from phasekv.adapters.phasekv import PhaseKVAdapter
+    from phasekv.checkpoint import load_checkpoint, read_experiment, resolve
+    from phasekv.data.vocab import Vocabulary
+    from phasekv.model import PhaseKVForCausalLM
+
+    tree = read_experiment(resolve(path))
+    model, _ = load_checkpoint(path, tree=tree)
+    if not isinstance(model, PhaseKVForCausalLM) or "vocab" not in tree:
+        raise ValueError(f"--checkpoint {path}: not a phasekv-family checkpoint with its word vocabulary (a "
+                         "transformers-family one: export it and audit it with --hf)")
+    data = tree["data"]
+    spec = dataclasses.replace(spec, n_records=data["n_records"], key_tokens=data["key_tokens"],
+                               local_window=data["local_window"])
+    adapter = PhaseKVAdapter(model, Path(path).name, prefill_chunk=prefill_chunk)
+    return adapter, Vocabulary.from_dict(tree["vocab"]), spec
+
+
 def run_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, out: str | Path | None, *, plan: AuditPlan = PLAN,
               force: bool = False, progress: bool = True, reference: Adapter | None = None,
               long_context: LongContextSpec | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from phasekv.cli import flags
+from phasekv.cli.audit_fleet import config_of, dry_run, long_spec, print_verdicts, run_merge, run_sharded
 from phasekv.cli.flags import (
     add_endpoint_arguments,
     add_launch_arguments,
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:  # long: every flag of the command, in its --help g
     model = p.add_argument_group("source and model (one of --hf, --endpoint, --launch)")
     source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="transformers causal LM: local directory (or hub name)")
+    source.add_argument("--checkpoint", help="a phasekv checkpoint: with --context, --family records")
     model.add_argument("--gguf-file", help="load this GGUF file inside --hf, or the --tokenizer from it (needs the "
                                            "gguf extra: make real-model)")
     model.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -112,30 +114,6 @@ def add_parser(sub) -> None:  # long: every flag of the command, in its --help g
     merge.set_defaults(func=run_merge)
 
 
-def run_merge(args) -> dict[str, Any]:
-    from phasekv.auditing.shards import merge_shards
-    from phasekv.outputs import check_output_dir
-
-    for shard in args.shards:
-        out, given = Path(args.out).resolve(), Path(shard).resolve()
-        if out == given or given in out.parents or out in given.parents:
-            raise ValueError(f"--out {args.out}: is, holds or lies inside the shard {shard}; choose another --out")
-    check_output_dir(Path(args.out), args.force)
-    summary = merge_shards(args.shards, args.out, force=args.force, progress=not args.no_progress)
-    print_verdicts(summary)
-    return summary
-
-
-def print_verdicts(summary: dict[str, Any]) -> None:
-    for name, result in summary["conditions"].items():
-        for protocol in summary["settings"]["protocols"]:
-            print(f"{name:>24}  {protocol}: {result[protocol]['verdict']}")
-            if protocol == "query":
-                print(f"{name:>24}  query phase: {result[protocol]['query_phase']['verdict']}")
-    if summary.get("family_wise"):
-        print(f"{'all verdicts':>24}  {summary['family_wise']}")
-
-
 def check_flags(args, conditions: tuple[str, ...]) -> None:
     """Every flag, checked before anything is loaded (a GGUF model takes most of a minute): counts, the device, the
     format file, the conditions, and the prompt set's size against the memory available now."""
@@ -153,6 +131,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
         raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
                          "of other records (--demos)")
     check_source_flags(args)
+    if args.checkpoint is not None and (args.context is None or conditions != ("none",)):
+        raise ValueError("--checkpoint: a phasekv checkpoint compresses in its own layers and has its own vocabulary: "
+                         "audit it on a long-context set (--context TOKENS --family records) under condition none")
     if args.endpoint is None:
         resolve_device(args.device or "auto")
     if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
@@ -166,12 +147,13 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
 
 def run(args) -> dict[str, Any]:
     from phasekv.adapters.hf import load_hf
-    from phasekv.auditing.pipeline import run_audit
+    from phasekv.auditing.pipeline import checkpoint_subject, run_audit
     from phasekv.cli.flags import apply_target_mde
     from phasekv.engines.client import check_reference, open_endpoint
     from phasekv.outputs import check_output_dir
 
-    conditions = (*(args.compress or (("none",) if args.endpoint or args.launch else HF_CONDITIONS)),
+    own = args.endpoint or args.launch or args.checkpoint  # compressed by the engine or the model itself
+    conditions = (*(args.compress or (("none",) if own else HF_CONDITIONS)),
                   *(f"press:{name}" for name in args.press))
     apply_target_mde(args, len(conditions))
     check_flags(args, conditions)
@@ -195,15 +177,18 @@ def run(args) -> dict[str, Any]:
     reference = reference_tokenizer = None
     if args.reference_hf is not None:
         reference, reference_tokenizer = load_hf(args.reference_hf, device, dtype, gguf_file=args.gguf_file)
+    spec = long_spec(args)
     if args.endpoint is not None:
         adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
+    elif args.checkpoint is not None:
+        adapter, tokenizer, spec = checkpoint_subject(args.checkpoint, spec)
     else:
         adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
     try:
         if reference is not None:
             check_reference_model(args, reference_tokenizer, tokenizer)
         summary = run_audit(adapter, tokenizer, cfg, args.out, plan=plan, force=args.force,
-                            progress=not args.no_progress, reference=reference, long_context=long_spec(args))
+                            progress=not args.no_progress, reference=reference, long_context=spec)
     finally:
         if args.endpoint is not None:
             adapter.close()
@@ -217,102 +202,6 @@ def run(args) -> dict[str, Any]:
         print(f"{'engine vs reference':>24}  {protocol}: {overall['agree']}/{overall['n']} greedy tokens agree "
               f"({100 * overall['agreement']:.1f}% [{100 * overall['ci_low']:.1f}, {100 * overall['ci_high']:.1f}])")
     return gate(args, expected, summary)
-
-
-def long_spec(args):
-    """The long-context design --preset or --context describe (None for a --format prompt set)."""
-    import dataclasses
-
-    from phasekv.data.longcontext import LongContextSpec
-
-    if args.preset and args.context:
-        raise ValueError("--preset and --context: give one (the preset fixes the context)")
-    if args.preset:
-        return dataclasses.replace(PRESETS[args.preset], seed=args.seed)
-    if args.context is None:
-        if args.depths:
-            raise ValueError("--depths: applies to a long-context set: give --context TOKENS or --preset")
-        return None
-    R = args.stride  # every residue group holds a multiple of R prompts per depth and cluster offset
-    per_group = -(-args.prompts_per_phase // (R * R)) * R * R
-    return LongContextSpec(family=args.family, context=args.context, stride=args.stride,
-                           depths=tuple(args.depths or (0.5,)), per_group=per_group,
-                           local_window=args.local_window, seed=args.seed)
-
-
-def config_of(args):
-    """The EvalConfig of the audit's prompt-set and run flags."""
-    from phasekv.config import audit_config
-
-    return audit_config(format=args.format, chat=args.chat, records=args.records, demos=args.demos,
-                        stride=args.stride, local_window=args.local_window, batch_size=args.batch_size, seed=args.seed,
-                        device=args.device or "auto", dtype=args.dtype or "float32", threads=args.threads,
-                        gguf_file=args.gguf_file)
-
-
-def dry_run(args, conditions: tuple[str, ...]) -> dict[str, Any]:
-    """--dry-run: the prompt sets built (never a model), the served model's context checked from its metadata, the
-    cost printed; nothing written.  Without --tokens-per-s an endpoint's rate comes from one timed probe request."""
-    from phasekv.adapters.hf import load_tokenizer
-    from phasekv.auditing.cost import cost_lines, probe_rate, run_cost
-    from phasekv.auditing.pipeline import long_sets
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.engines.client import open_endpoint
-    from phasekv.evaluate.sources import audit_sets
-
-    if args.tokens_per_s is not None and not (0 < args.tokens_per_s < float("inf")):
-        raise ValueError(f"--tokens-per-s: must be a finite rate > 0, got {args.tokens_per_s}")
-    adapter = None
-    if args.endpoint is not None:
-        adapter, tokenizer = open_endpoint(endpoint_options(args))  # the server's metadata; no journal
-    else:
-        tokenizer = load_tokenizer(args.hf or args.tokenizer, args.gguf_file, flag="--hf" if args.hf else "--tokenizer")
-    try:
-        cfg, spec, protocols = config_of(args), long_spec(args), tuple(dict.fromkeys(args.protocol))
-        sets = long_sets(spec, tokenizer, protocols) if spec else audit_sets(
-            FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg, protocols, args.prompts_per_phase)
-        rate, source = args.tokens_per_s, "--tokens-per-s"
-        if adapter is not None:
-            adapter.check_length(max(s.prompt_length for s in sets.values()))
-            if rate is None:
-                rate, source = probe_rate(adapter, next(iter(sets.values()))), "one timed probe request"
-        served = adapter is not None or args.launch
-        cost = run_cost(sets, conditions=1 if served else len(conditions),
-                        endpoints=len(args.endpoint) if args.endpoint else 1, tokens_per_s=rate)
-    finally:
-        if adapter is not None:
-            adapter.close()
-    print("\n".join(cost_lines(cost, source)))
-    return cost
-
-
-def run_sharded(args) -> dict[str, Any]:
-    """--shard I/N: this shard's answers, published with what `audit merge` needs (auditing.shards)."""
-    from phasekv.auditing.shards import audit_record, parse_shard, run_shard
-    from phasekv.data.formats import FormatVocabulary, load_format
-    from phasekv.engines.client import open_endpoint
-    from phasekv.evaluate.sources import audit_sets
-    from phasekv.outputs import check_output_dir
-
-    shard = parse_shard(args.shard)
-    if args.endpoint is None or args.reference_hf is not None or args.expect or args.write_expect:
-        raise ValueError("--shard: splits an --endpoint audit over machines: needs --endpoint, without "
-                         "--reference-hf, --expect or --write-expect (run those on the merged audit's server)")
-    check_output_dir(Path(args.out), args.force, args.resume)
-    cfg = config_of(args)
-    plan = AuditPlan(("none",), args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)
-    adapter, tokenizer = open_endpoint(endpoint_options(args), args.out, args.force)
-    try:
-        sets = audit_sets(FormatVocabulary(load_format(cfg.format, cfg.chat), tokenizer), cfg, plan.protocols,
-                          plan.prompts_per_phase)
-        record = run_shard(adapter, sets, args.out, shard=shard, force=args.force, progress=not args.no_progress,
-                           audit=audit_record(cfg, plan, tokenizer=str(Path(args.tokenizer).resolve()),
-                                              gguf_file=args.gguf_file))
-    finally:
-        adapter.close()
-    print(f"shard {shard[0]}/{shard[1]}: {record['prompts']} prompts answered; join all {shard[1]} with "
-          f"phasekv audit merge DIR... --out OUT")
-    return record
 
 
 def check_gate_flags(args) -> dict[str, Any] | None:

@@ -106,6 +106,9 @@ class TrainConfig:
     save_dtype: str = spec("float32", choices=("float32", "float16", "bfloat16"))  # final weights' dtype
     report_to: str = spec("none", choices=REPORT_TO)  # metrics.jsonl's rows also to this logger
     phase_check_prompts: int = spec(0, low=0, high=4096)  # prompts per phase of the phase check at each validation
+    # a warm start: a checkpoint or run directory whose weights (same model but max_position_embeddings) start a
+    # new run; the optimizer starts afresh ("": random initialization).  A resumed run reads its own checkpoint
+    init_from: str = ""
 
     # fields that may change when a run is resumed (everything else must match the saved run)
     RESUMABLE = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "threads", "device",

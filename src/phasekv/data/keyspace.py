@@ -15,6 +15,12 @@ A1 A^(k - 1) distinct keys.
 
 A record is `<code>:` followed by a one-token value `" Name"`; the answer is that value token.  Values are
 person names, keys are ordinary words, and the two alphabets never share a token.
+
+A phasekv checkpoint's word vocabulary (`phasekv.data.vocab.Vocabulary`, one word a token, no unknown token) is
+its own key space (`vocabulary_key_space`): its key words are the pieces (there is no prose, so each may start a
+code), its value words the answers, its first filler word both the padding and the records family's spacer; no
+header, tail or terminator, so a record is its code directly followed by its value, as in the training data
+(`phasekv.data.lookup`).  Its size is the model's, not the 16,000 keys a tokenizer's key space must offer.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from phasekv.data.formats import haystack_sentences
-from phasekv.data.vocab import BASE_WORDS
+from phasekv.data.vocab import BASE_WORDS, Vocabulary
 
 FAMILIES = ("records", "needle")
 _HEADERS = {"records": "Here is a long list of records, each a key of a few words and a name.\n",
@@ -81,13 +87,19 @@ class KeySpace:
     bos: int
     pieces: np.ndarray  # (A,) single-token key words
     first: np.ndarray  # (A1,) the pieces that occur in no prose, header or tail: a code's first piece
-    terminator: int  # ":" after a key code
+    terminator: int | None  # ":" after a key code (None: the code is directly followed by the value)
     values: np.ndarray  # (V,) single-token answers
     filler: int  # one padding token
     newline: int  # the spacer of the records family
     header: dict[str, np.ndarray]  # family -> header ids
     tail: np.ndarray
-    sentences: list[np.ndarray]  # the prose of the needle family, one sentence each
+    sentences: list[np.ndarray]  # the prose of the needle family, one sentence each (none: no needle family)
+    vocabulary: bool = False  # a phasekv word vocabulary's (module docstring), not a tokenizer's
+
+    @property
+    def frame(self) -> list[int]:
+        """The terminator as a list of ids: [":"] or [] (the query is the code and this)."""
+        return [] if self.terminator is None else [self.terminator]
 
     def size(self, key_tokens: int) -> int:
         """Distinct keys of `key_tokens` pieces."""
@@ -124,10 +136,22 @@ def _in_context(encode, lead: str = " the"):
     return run
 
 
+def vocabulary_key_space(vocab: Vocabulary) -> KeySpace:
+    """The key space of a phasekv word vocabulary (module docstring)."""
+    filler = vocab.group("fillers")[0]
+    empty = np.zeros(0, dtype=np.int64)
+    keys = np.asarray(vocab.group("keys"), dtype=np.int64)
+    return KeySpace(bos=vocab.bos, pieces=keys, first=keys, terminator=None,
+                    values=np.asarray(vocab.group("values"), dtype=np.int64), filler=filler, newline=filler,
+                    header={f: empty for f in FAMILIES}, tail=empty, sentences=[], vocabulary=True)
+
+
 def build_key_space(tokenizer: Any) -> KeySpace:
     """The pieces of `tokenizer` (module docstring), every one checked by round-trip tokenization after running
     text: alone, before ":", and after and before another piece (its neighbours in the list; a pair that fails
-    drops both)."""
+    drops both).  A phasekv `Vocabulary` gives `vocabulary_key_space`."""
+    if isinstance(tokenizer, Vocabulary):
+        return vocabulary_key_space(tokenizer)
     plain = _encoder(tokenizer)
     encode = _in_context(plain)
     key_words, names = _candidate_words()

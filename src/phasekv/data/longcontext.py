@@ -7,11 +7,13 @@ pieces) is
     <bos> header  A fillers  sp_0 rec_0  sp_1 rec_1 ... sp_{n-1} rec_{n-1}  sp_n  B fillers  tail  query
 
 with the n records spread over the WHOLE context.  A record is a key code of `key_tokens` single-token words,
-":" and a one-token name (the answer); the query is the target's code and ":".  The spacers sp_i hold P tokens
-in all, spread as evenly as integers allow (sp_0 .. sp_i hold floor((i + 1) P / (n + 1)) tokens), newlines in
-the `records` family and running prose (whole sentences of the built-in list, cut at the spacer boundaries) in
-the `needle` family.  By default the records family holds as many records as fit with one spacer token each
-and the needle family context // 16 records; `n_records` fixes the count (the paper: 16,000).
+":" and a one-token name (the answer); the query is the target's code and ":" (a phasekv checkpoint's word
+vocabulary has no ":": its records and query are as in its training data, `phasekv.data.keyspace`).  The
+spacers sp_i hold P tokens in all, spread as evenly as integers allow (sp_0 .. sp_i hold floor((i + 1) P /
+(n + 1)) tokens), newlines (a word vocabulary: its filler) in the `records` family and running prose (whole
+sentences of the built-in list, cut at the spacer boundaries) in the `needle` family.  By default the records
+family holds as many records as fit with one spacer token each and the needle family context // 16 records;
+`n_records` fixes the count (the paper: 16,000).
 
 Protocols (as in `phasekv.data.protocols`, whose docstring derives the algebra).  Each cluster (a logical
 example: its records, values, prose and target) has one target record j and a family offset f in [0, 2R) and
@@ -132,13 +134,16 @@ class LongContextSet:
     def __init__(self, spec: LongContextSpec, tokenizer: Any = None, keys: KeySpace | None = None):
         self.spec, self.keys = spec, keys or build_key_space(tokenizer)
         R, kt = spec.modulus, spec.key_tokens
-        if self.keys.size(kt) < MIN_KEYS:
+        if self.keys.size(kt) < MIN_KEYS and not self.keys.vocabulary:  # a word vocabulary offers what it has
             raise ValueError(f"key_tokens: {len(self.keys.pieces)} key words of one token give {self.keys.size(kt)} "
                              f"codes of {kt}; at least {MIN_KEYS} are needed: raise key_tokens")
-        self.record_tokens = kt + 2  # code, ":", the name
+        if spec.family == "needle" and not self.keys.sentences:
+            raise ValueError("family: the needle family needs prose; a phasekv vocabulary has none: use records")
+        self.query_tokens = kt + len(self.keys.frame)  # the code and ":" (a word vocabulary: the code alone)
+        self.record_tokens = self.query_tokens + 1  # and the name
         self.gap = spec.insequence_gap if spec.protocol == "insequence" else 0
         self.lead = 1 + len(self.keys.header[spec.family])
-        fixed = self.lead + 3 * R - 2 + len(self.keys.tail) + kt + 1  # all but records, spacers, in-sequence fillers
+        fixed = self.lead + 3 * R - 2 + len(self.keys.tail) + self.query_tokens  # all but records, spacers, fillers
         pitch = self.record_tokens + self.gap
         self.n = spec.n_records or ((spec.context - fixed - 1) // (pitch + 1) if spec.family == "records"
                                     else spec.context // 16)
@@ -253,7 +258,8 @@ class LongContextSet:
         rng = np.random.default_rng([spec.seed, _TAG, 1, cluster])
         codes = ks.codes(rng.choice(ks.size(spec.key_tokens), size=n, replace=False), spec.key_tokens)
         values = ks.values[rng.integers(len(ks.values), size=n)]
-        records = np.concatenate([codes, np.full((n, 1), ks.terminator), values[:, None]], 1)  # (n, record)
+        frame = np.tile(np.asarray(ks.frame, dtype=np.int64), (n, 1))  # (n, 0 or 1)
+        records = np.concatenate([codes, frame, values[:, None]], 1)  # (n, record)
         i = np.arange(n + 1, dtype=np.int64)
         unit = i * P // (n + 1) + i * self.record_tokens  # where sp_i starts in the block
         at = (unit[1:] - self.record_tokens)[:, None] + np.arange(self.record_tokens)  # (n, record)
@@ -284,7 +290,7 @@ class LongContextSet:
             body = block
         header = self.keys.header[self.spec.family]
         ids = np.concatenate([[ks.bos], header, np.full(a, ks.filler), body, np.full(b, ks.filler), ks.tail,
-                              codes[j], [ks.terminator]]).astype(np.int32)
+                              codes[j], ks.frame]).astype(np.int32)
         position, query = self.target_position(cluster, shift), self.query_position(shift)
         if len(ids) != query + 1 or not np.array_equal(ids[position:position + len(codes[j])], codes[j]):
             raise AssertionError(f"internal: prompt ({cluster}, {shift}) misplaced its target or its length")
@@ -313,4 +319,4 @@ class LongContextSet:
         return {**asdict(self.spec), "depths": list(self.spec.depths), "n_records": self.n,
                 "spacer_tokens": self.spacers, "fillers": self.fillers, "key_space": self.keys.size(
                     self.spec.key_tokens), "n_answers": len(self.keys.values), "n_prompts": self.n_prompts,
-                "record_tokens": self.record_tokens}
+                "record_tokens": self.record_tokens, "query_tokens": self.query_tokens}

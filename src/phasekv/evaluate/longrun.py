@@ -60,7 +60,7 @@ def predict_long(adapter: Adapter, lset: LongContextSet, *, progress: bool = Tru
     """One record per prompt, in the set's order, with the fields `runner.predict` writes and the target's depth."""
     adapter.check_length(lset.prompt_length)
     lset.check_memory(SERVED_BATCH)
-    key_tokens, stride = lset.spec.key_tokens + 1, lset.spec.stride  # the query: the key code and ":"
+    key_tokens, stride = lset.query_tokens, lset.spec.stride  # the query: the key code and ":" (if any)
     records, batch = [], []
 
     def flush() -> None:

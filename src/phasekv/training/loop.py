@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from phasekv import distributed, families
 from phasekv.archs import indexer_kl as indexer
+from phasekv.checkpoint import MODEL_FILE, load_tensors, load_weights, read_experiment, resolve
 from phasekv.compression import compressors_of, shifted_windows
-from phasekv.config import Experiment, TrainConfig
+from phasekv.config import Experiment, TrainConfig, model_config_from_dict
 from phasekv.data.lookup import TrainingStream
 from phasekv.data.vocab import Vocabulary
 from phasekv.training.report import check_report_to, open_reporter
@@ -118,6 +119,8 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
     optimizer = build_optimizer(model, cfg)
     tree = {**exp.tree, "vocab": vocab.to_dict()}
     start = open_run(run, exp, tree=tree, resume=resume, dd=dd, model=model, optimizer=optimizer)
+    if start == 0 and cfg.init_from:
+        warm_start(model, exp, cfg.init_from)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dd.world > 1 else model
     stream = TrainingStream(vocab, exp.data, seed=cfg.seed, rank=dd.rank, world_size=dd.world)
     reporter = open_reporter(run, cfg.report_to if dd.main else "none", config=exp.tree)
@@ -130,6 +133,22 @@ def train(exp: Experiment, out: str | Path, resume: bool = False, progress: bool
         ensure_final(run, model, tree, getattr(torch, cfg.save_dtype))
     dd.barrier()
     return last
+
+
+def warm_start(model: torch.nn.Module, exp: Experiment, source: str | Path) -> None:
+    """Load the weights of checkpoint or run directory `source` into `model` (train.init_from).  Its model section
+    must equal `exp`'s but for max_position_embeddings (a longer context for the same weights: positions are
+    rotary), so a warm start never reinterprets weights."""
+    path = resolve(source)
+    theirs = model_config_from_dict(read_experiment(path)["model"]).to_dict()  # resolved: defaults filled in
+    ours = exp.model.to_dict()
+    differ = sorted(k for k in set(theirs) | set(ours)
+                    if k != "max_position_embeddings" and theirs.get(k) != ours.get(k))
+    if differ:
+        raise ValueError(f"train.init_from {source}: its model differs from this one in {differ[:3]} (only "
+                         "max_position_embeddings may differ)")
+    with torch.no_grad():
+        load_weights(model, load_tensors(path / MODEL_FILE), path)
 
 
 def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
