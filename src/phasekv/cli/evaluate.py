@@ -1,6 +1,7 @@
 """`phasekv eval`: the phase-sensitivity evaluation of a phasekv checkpoint or any HF causal LM.
 
     phasekv eval --checkpoint DIR --protocol prefix --out OUT
+    phasekv eval --checkpoint DIR --engine-checks decode --out OUT   (also its cached decode vs its full forward)
     phasekv eval --hf PATH --protocol insequence --stride 4 --out OUT
     phasekv eval --endpoint URL --api llamacpp --tokenizer DIR --format records --out OUT   (a served model)
     torchrun --nproc_per_node=8 -m phasekv.cli eval --hf PATH ...   (contexts sharded over ranks)
@@ -35,6 +36,11 @@ def add_parser(sub) -> None:
                                                          "--gguf-file: that GGUF inside DIR): writes comparison.json, "
                                                          "engine vs reference agreement per phase")
     add_prompt_arguments(p)
+    p.add_argument("--engine-checks", nargs="+", default=[], choices=("decode",), metavar="CHECK",
+                   help="--checkpoint: also decode (the model's greedy tokens decoded through its own KV cache, one "
+                        "per step, against its own full forward, by phase of the step: decode.json)")
+    p.add_argument("--decode-steps", type=int, default=6, help="--engine-checks decode: tokens generated per prompt")
+    p.add_argument("--check-prompts", type=int, default=0, help="--engine-checks: prompts checked (0: all)")
     p.set_defaults(func=run)
 
 
@@ -46,8 +52,40 @@ def run(args) -> dict[str, Any]:
     check_reference(args.endpoint is not None, args.reference_hf)
     if args.endpoint is not None:
         return run_endpoint(args)
+    check_engine_checks(args)
     source, cfg = source_and_config(args)
-    return run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
+    metrics = run_eval(source, cfg, args.out, force=args.force, progress=not args.no_progress)
+    if args.engine_checks:
+        metrics["decode"] = run_decode_check(source, cfg, args)
+    return metrics
+
+
+def check_engine_checks(args) -> None:
+    if not args.engine_checks:
+        return
+    if args.checkpoint is None:
+        raise ValueError("--engine-checks: applies to --checkpoint (a phasekv model in process); an engine's decode "
+                         "steps: phasekv audit --launch ENGINE --engine-checks decode")
+    for name in ("decode_steps", "check_prompts"):
+        if getattr(args, name) < (1 if name == "decode_steps" else 0):
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= {1 if name == 'decode_steps' else 0}, got "
+                             f"{getattr(args, name)}")
+
+
+def run_decode_check(source, cfg, args) -> dict[str, Any]:
+    """--engine-checks decode: the checkpoint's cached greedy decode against its own full forward on the evaluated
+    prompts (`phasekv.auditing.decode_local`), written to OUT/decode.json and its verdict printed."""
+    from phasekv.auditing.decode_local import local_decode_check
+    from phasekv.evaluate.sources import open_source
+    from phasekv.outputs import write_json
+
+    adapter, eval_set = open_source(source, cfg)
+    result = local_decode_check(args.decode_steps, args.check_prompts or None)(adapter, {cfg.protocol: eval_set})
+    write_json(Path(args.out) / "decode.json", result)
+    overall = result["overall"]
+    print(f"decode steps: {overall['agree']}/{overall['n']} cached greedy tokens agree with the full forward; "
+          f"{result['verdict']}")
+    return result
 
 
 def run_endpoint(args) -> dict[str, Any]:
