@@ -336,3 +336,11 @@ def test_eval_engine_checks_needs_a_checkpoint(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "m"), "--engine-checks", "decode", "--decode-steps", "0",
                  "--out", str(tmp_path / "x")]) == 2
     assert "--decode-steps: must be >= 1" in capsys.readouterr().err
+
+
+def test_audit_refuses_engine_checks_without_an_engine_and_names_the_checkpoint_check(tmp_path, capsys):
+    from phasekv.cli import main
+
+    (tmp_path / "m").mkdir()
+    assert main(["audit", "--hf", str(tmp_path / "m"), "--engine-checks", "decode", "--out", str(tmp_path / "x")]) == 2
+    assert "phasekv eval --checkpoint DIR --engine-checks decode" in capsys.readouterr().err

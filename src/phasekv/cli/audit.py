@@ -141,6 +141,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
         raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
                          "of other records (--demos)")
     check_source_flags(args)
+    if args.engine_checks and not args.launch:
+        raise ValueError("--engine-checks: applies to --launch (phasekv starts the engine); a phasekv checkpoint's "
+                         "own decode path: phasekv eval --checkpoint DIR --engine-checks decode")
     if args.endpoint is None:
         resolve_device(args.device or "auto")
     if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
