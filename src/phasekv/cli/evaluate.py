@@ -81,7 +81,7 @@ def run_decode_check(source, cfg, args) -> dict[str, Any]:
 
     adapter, eval_set = open_source(source, cfg)
     result = local_decode_check(args.decode_steps, args.check_prompts or None)(adapter, {cfg.protocol: eval_set})
-    write_json(Path(args.out) / "decode.json", result)
+    write_json(Path(args.out) / "decode.json", result, atomic=True)  # OUT is published: this file joins it whole
     overall = result["overall"]
     print(f"decode steps: {overall['agree']}/{overall['n']} cached greedy tokens agree with the full forward; "
           f"{result['verdict']}")
