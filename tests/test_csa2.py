@@ -262,3 +262,85 @@ def test_decode_step_audit_flags_the_injected_parity_bug_and_passes_the_correct_
     with torch.no_grad():  # the full forward (prefill) never takes the buggy path
         ids = prompts[0][None]
         torch.testing.assert_close(buggy(ids), model(ids), rtol=0, atol=0)
+
+
+def _decode_checkpoint(tmp_path):
+    """A small DECODE-schedule checkpoint on the lookup vocabulary (random weights: the check needs no skill)."""
+    from phasekv.checkpoint import save_checkpoint
+    from phasekv.data import Vocabulary
+
+    vocab = Vocabulary()
+    model = _model({**DECODE, "vocab_size": vocab.size, "max_position_embeddings": 1024, "local_window": 8})
+    tree = {"model": model.config.to_dict(), "data": {"n_records": 24, "local_window": 8}, "vocab": vocab.to_dict()}
+    return save_checkpoint(tmp_path / "ckpt", model, tree)
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_eval_engine_checks_decode_flags_the_parity_bug_and_passes_the_correct_model(tmp_path, monkeypatch, capsys,
+                                                                                    bug):
+    """`phasekv eval --checkpoint DIR --engine-checks decode`: the correct model's cached decode agrees with its full
+    forward at every phase; the same checkpoint with the injected parity bug is flagged at phase 0 mod 2 only."""
+    import json
+
+    from phasekv.adapters import phasekv as native
+    from phasekv.cli import main
+
+    ckpt = _decode_checkpoint(tmp_path)
+    if bug:
+        made = native.PhaseKVAdapter.__init__
+
+        def buggy(self, model, *args, **kwargs):
+            model.model.layers[3].self_attn.compressor.parity_bug = True
+            made(self, model, *args, **kwargs)
+
+        monkeypatch.setattr(native.PhaseKVAdapter, "__init__", buggy)
+    assert main(["eval", "--checkpoint", str(ckpt), "--residue-modulus", "4", "--clusters", "4", "--engine-checks",
+                 "decode", "--decode-steps", "8", "--check-prompts", "12", "--no-progress", "--out",
+                 str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "decode.json").read_text())
+    assert result["stride"] == 2 and result["n_prompts"] == 12 and result["overall"]["n"] == 12 * 8
+    printed = capsys.readouterr().out
+    if bug:
+        assert 0 in result["flagged_phases"] and "disagrees" in result["verdict"] and "disagrees" in printed
+        assert result["first_phases"] == [0]  # every run of errors starts on a step where no group completes
+        by_phase = {r["phase"]: r["agreement"] for r in result["per_phase"]}
+        assert by_phase[0] < by_phase[1]
+    else:
+        assert result["flagged_phases"] == result["first_phases"] == [] and "agrees" in printed
+        assert result["overall"]["agreement"] == 1.0
+
+
+def test_decode_verdict_flags_only_a_phase_wholly_below_the_floor():
+    from phasekv.auditing.decode import share
+    from phasekv.auditing.decode_local import decode_verdict
+
+    def result(*phases):
+        hits = [h for p in phases for h in p]
+        return {"stride": 2, "overall": share(hits), "per_phase": [{"phase": i, **share(p)} for i, p in
+                                                                   enumerate(phases)],
+                "first_disagreement": {"per_phase": [{"phase": i, "prompts": 1} for i, p in enumerate(phases)
+                                                     if not all(p)]}}
+
+    one_slip = [True] * 199 + [False]  # a float near-tie: 99.5%, interval reaching above the floor
+    assert decode_verdict(result([True] * 200, one_slip))["flagged_phases"] == []
+    assert decode_verdict(result([True] * 180 + [False] * 20, [True] * 200))["flagged_phases"] == [0]
+    assert decode_verdict(result([], []))["verdict"] == "no decode steps compared"
+
+
+def test_eval_engine_checks_needs_a_checkpoint(tmp_path, capsys):
+    from phasekv.cli import main
+
+    (tmp_path / "m").mkdir()
+    assert main(["eval", "--hf", str(tmp_path / "m"), "--engine-checks", "decode", "--out", str(tmp_path / "x")]) == 2
+    assert "--engine-checks: applies to --checkpoint" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path / "m"), "--engine-checks", "decode", "--decode-steps", "0",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--decode-steps: must be >= 1" in capsys.readouterr().err
+
+
+def test_audit_refuses_engine_checks_without_an_engine_and_names_the_checkpoint_check(tmp_path, capsys):
+    from phasekv.cli import main
+
+    (tmp_path / "m").mkdir()
+    assert main(["audit", "--hf", str(tmp_path / "m"), "--engine-checks", "decode", "--out", str(tmp_path / "x")]) == 2
+    assert "phasekv eval --checkpoint DIR --engine-checks decode" in capsys.readouterr().err

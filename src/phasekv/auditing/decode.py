@@ -16,6 +16,7 @@ that many tokens.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,17 +52,25 @@ def target_value(eval_set: EvalSet, prompt: Prompt) -> list[int]:
 def decode_steps(adapter: EndpointAdapter, reference: Adapter, eval_set: EvalSet, steps: int,
                  limit: int | None = None) -> dict[str, Any]:
     """The decode-step comparison (module docstring) on the first `limit` prompts of `eval_set` (all: None)."""
+    return compare_steps(eval_set, steps, limit, lambda ids: [a.token for a in generate(adapter, ids, steps)],
+                         lambda ids, tokens: teacher_forced(reference, ids, tokens))
+
+
+def compare_steps(eval_set: EvalSet, steps: int, limit: int | None, continuation: Callable[[list[int]], list[int]],
+                  reference: Callable[[list[int], list[int]], list[int]]) -> dict[str, Any]:
+    """The comparison itself, for any decoder: `continuation(ids)` is its greedy tokens after a prompt (at most
+    `steps`), `reference(ids, tokens)` the teacher-forced argmax at each of them (`teacher_forced`)."""
     S = eval_set.stride
     cells: dict[tuple[int, int], list[bool]] = defaultdict(list)  # (step, phase of the predicting position)
     correct: dict[int, list[bool]] = defaultdict(list)
     first_step, first_phase, generated = Counter(), Counter(), []
     prompts = eval_set.prompts()[:limit]
     for p in prompts:
-        tokens = [a.token for a in generate(adapter, p.ids, steps)]
+        tokens = continuation(p.ids)
         generated.append(len(tokens))
         if not tokens:
             continue
-        ref = teacher_forced(reference, p.ids, tokens)
+        ref = reference(p.ids, tokens)
         value = target_value(eval_set, p)
         first = None
         for j, (mine, theirs) in enumerate(zip(tokens, ref, strict=True)):

@@ -134,6 +134,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
     if args.checkpoint is not None and (args.context is None or conditions != ("none",)):
         raise ValueError("--checkpoint: a phasekv checkpoint compresses in its own layers and has its own vocabulary: "
                          "audit it on a long-context set (--context TOKENS --family records) under condition none")
+    if args.engine_checks and not args.launch:
+        raise ValueError("--engine-checks: applies to --launch (phasekv starts the engine); a phasekv checkpoint's "
+                         "own decode path: phasekv eval --checkpoint DIR --engine-checks decode")
     if args.endpoint is None:
         resolve_device(args.device or "auto")
     if not (args.launch and args.format == "none"):  # --launch: `none` is the tokenizer's own words
