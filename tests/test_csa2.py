@@ -308,6 +308,10 @@ def test_eval_engine_checks_decode_flags_the_parity_bug_and_passes_the_correct_m
     else:
         assert result["flagged_phases"] == result["first_phases"] == [] and "agrees" in printed
         assert result["overall"]["agreement"] == 1.0
+        # decode.json joined the published output as phasekv's own: --force replaces it
+        assert main(["eval", "--checkpoint", str(ckpt), "--residue-modulus", "4", "--clusters", "4", "--engine-checks",
+                     "decode", "--decode-steps", "1", "--check-prompts", "2", "--no-progress", "--force", "--out",
+                     str(tmp_path / "out")]) == 0
 
 
 def test_decode_verdict_flags_only_a_phase_wholly_below_the_floor():

@@ -354,6 +354,14 @@ def mark(directory: Path, files: list[str] | None = None) -> None:
     (directory / MARKER).write_text(f"{_MARKED}\n{listing}")
 
 
+def add_written(out: Path, *names: str) -> None:
+    """List `names`, files phasekv added to the output `out` after it was published, in its marker (so `--force`
+    replaces them as its own)."""
+    lines = (out / MARKER).read_text(errors="replace").splitlines()
+    if _MANIFEST in lines:  # an older marker lists nothing: the whole directory is phasekv's anyway
+        mark(out, sorted(set(lines[lines.index(_MANIFEST) + 1:]) | set(names)))
+
+
 def publish_checked(tmp: Path, out: Path, force: bool) -> None:
     """List `tmp`'s files in its marker, flush it, check `out` again (nothing appeared there meanwhile; the work of
     this run may be there) and publish."""

@@ -87,11 +87,12 @@ def run_decode_check(source, cfg, args) -> dict[str, Any]:
     prompts (`phasekv.auditing.decode_local`), written to OUT/decode.json and its verdict printed."""
     from phasekv.auditing.decode_local import local_decode_check
     from phasekv.evaluate.sources import open_source
-    from phasekv.outputs import write_json
+    from phasekv.outputs import add_written, write_json
 
     adapter, eval_set = open_source(source, cfg)
     result = local_decode_check(args.decode_steps, args.check_prompts or None)(adapter, {cfg.protocol: eval_set})
     write_json(Path(args.out) / "decode.json", result, atomic=True)  # OUT is published: this file joins it whole
+    add_written(Path(args.out), "decode.json")
     overall = result["overall"]
     print(f"decode steps: {overall['agree']}/{overall['n']} cached greedy tokens agree with the full forward; "
           f"{result['verdict']}")
