@@ -104,11 +104,13 @@ def test_a_bad_chunk_is_one_line(bad):
         assert "\n" not in str(info.value)
 
 
-def test_a_long_context_set_gets_the_same_answers_per_phase_chunked_or_not():
-    """A prompt set of `phasekv.data.longcontext` through a post-hoc condition: chunked and one-shot prefill give the
-    same answer to every prompt, hence the same accuracy in every phase group."""
+@pytest.mark.parametrize("condition", ["mean", "kpool:pool=8,budget=0.25,local=16,indexer=oracle"])
+def test_a_long_context_set_gets_the_same_answers_per_phase_chunked_or_not(condition):
+    """A prompt set of `phasekv.data.longcontext` through a post-hoc condition and a pooled selection: chunked and
+    one-shot prefill give the same answer to every prompt, hence the same accuracy in every phase group."""
     import transformers
 
+    from phasekv.conditions.grammar import Geometry, condition_adapter
     from phasekv.data.keyspace import train_bpe
     from phasekv.data.longcontext import LongContextSet, LongContextSpec
 
@@ -124,8 +126,7 @@ def test_a_long_context_set_gets_the_same_answers_per_phase_chunked_or_not():
     ids = torch.as_tensor([p.ids.tolist() for p in batch])
     right = {}
     for chunk in (0, 48):
-        post = PosthocAdapter(HFAdapter(model, "llama", prefill_chunk=chunk), "mean", window=8, stride=8,
-                              local_window=16)
+        post = condition_adapter(HFAdapter(model, "llama", prefill_chunk=chunk), condition, Geometry(8, 8, 16))
         logits = post.continue_from(post.prefill(ids[:, :-query]), ids[:, -query:], 1)[:, -1]
         right[chunk] = [int(a) == p.answer for a, p in zip(logits.argmax(-1), batch)]
         assert torch.equal(logits.argmax(-1), right.setdefault("answers", logits.argmax(-1)))
@@ -169,3 +170,34 @@ def test_a_context_too_large_at_once_is_refused_in_one_line_and_prefilled_in_chu
     monkeypatch.setattr(memory, "available_memory", lambda: small - 1)
     with pytest.raises(ValueError, match=r"^context: a forward of 1 x 203 tokens in chunks of 32 of chunked: needs"):
         chunked.prefill(ids)
+
+
+
+@pytest.mark.parametrize(("indexer", "grid"), [("oracle", "fixed"), ("mean", "jitter"), ("max", "fixed"),
+                                               ("distilled", "jitter"), ("distilled-minimax", "fixed")])
+def test_pooled_selection_on_a_chunked_cache_equals_one_shot(indexer, grid, tmp_path):
+    """A kpool condition (`conditions.selection`) over a chunked prefill: the cache, the hidden states a distilled
+    indexer reads, and the queries' logits equal the one-shot prefill's to 1e-5, with a chunk that divides no pool
+    boundary and one that ends one token short of the context.  (The distilled cases failed before the selection's
+    hook joined the chunks' hidden states: each chunk's replaced the earlier ones'.)"""
+    from phasekv.conditions.selection.pooled import SelectionAdapter, parse_selection
+    from tests.test_selection import _indexer_name
+
+    model = tiny_causal_lm("llama", VOCAB, 512, "sdpa")
+    name, heads = _indexer_name(indexer, tmp_path)
+    spec = parse_selection(f"kpool:pool=4,top=3,local=8,heads={heads},indexer={name},grid={grid}")
+    ids, queries = _ids(2, T, 11), _ids(2 * 2, Q, 12)
+    whole = SelectionAdapter(HFAdapter(model, "one-shot"), spec)
+    reference = whole.prefill(ids)
+    expected = whole.continue_from(reference, queries, 2)
+    dense = HFAdapter(model, "dense")
+    assert not torch.allclose(expected, dense.continue_from(dense.prefill(ids), queries, 2), atol=1e-3)  # it acts
+    for chunk in (50, 202):
+        chunked = SelectionAdapter(HFAdapter(model, "chunked", prefill_chunk=chunk), spec)
+        cache = chunked.prefill(ids)
+        for a, b in zip(reference[0][0].layers, cache[0][0].layers):
+            torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=0)
+        assert cache[1].keys() == reference[1].keys()  # the hidden states a distilled indexer reads (or none)
+        for key, hidden in reference[1].items():
+            torch.testing.assert_close(cache[1][key], hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(chunked.continue_from(cache, queries, 2), expected, atol=1e-5, rtol=0)
