@@ -88,6 +88,11 @@ def test_the_paper_design_is_counted_by_a_dry_run_and_bad_long_flags_are_one_lin
         assert main([*base, *flags, "--dry-run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+    # a shard's journal and the merge hold a --format set: a long-context set is refused before any server is asked
+    assert main(["audit", "--endpoint", "http://127.0.0.1:9", "--tokenizer", str(where), "--context", "1024",
+                 "--shard", "0/2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a long-context set (--context, --preset) is not sharded" in err[0], err
 
 
 # ---------------------------------------------------------------------------------------------- real llama-server
