@@ -84,7 +84,8 @@ def test_the_paper_design_is_counted_by_a_dry_run_and_bad_long_flags_are_one_lin
     assert "query: 2,048 prompts" in out and not Path(tmp_path / "o").exists()
     for flags, message in ((["--preset", "paper-niah", "--context", "4096"], "give one"),
                            (["--depths", "0.5"], "applies to a long-context set"),
-                           (["--context", "64"], "cannot hold")):
+                           (["--context", "64"], "cannot hold"),
+                           (["--context", "1024", "--prefill-chunk", "-1"], "--prefill-chunk: must be >= 0")):
         assert main([*base, *flags, "--dry-run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
