@@ -153,8 +153,10 @@ def test_the_estimate_grows_with_rows_length_and_eager_scores():
     one = adapter_module.forward_bytes(config, 1000, 1, 4, eager=False)
     assert adapter_module.forward_bytes(config, 1000, 3, 4, eager=False) == 3 * one
     assert adapter_module.forward_bytes(config, 2000, 1, 4, eager=False) > 1.9 * one
-    # eager adds its (heads, T, T) float32 scores and probabilities: 4 heads x 1000^2 x 4 bytes x 2
-    assert adapter_module.forward_bytes(config, 1000, 1, 4, eager=True) - one == 4 * 1000 ** 2 * 4 * 2
+    # eager adds its (heads, T, T) float32 scores and probabilities, 4 heads x 1000^2 x 4 bytes x 2, and its (T, T)
+    # mask (a one-shot sdpa prefill is causal without one)
+    eager = adapter_module.forward_bytes(config, 1000, 1, 4, eager=True)
+    assert eager - one == 4 * 1000 ** 2 * 4 * 2 + 1000 ** 2 * adapter_module.MASK_BYTES
 
 
 @pytest.fixture(scope="module")

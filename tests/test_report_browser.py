@@ -1,4 +1,5 @@
-"""report.html in headless Chromium: no console message, no broken image, every section in place.
+"""report.html in headless Chromium: no console message, no broken image, every section in place; and the same
+for a long-context audit's report.html, whose depth x phase heatmap must decode.
 
 The report is written from a small synthetic summary (oracle evaluations of models with strides 4, 6
 and 8, so the heatmap has grey cells).  Chromium opens a copy with a probe script injected at the top
@@ -18,7 +19,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+from phasekv.adapters.base import Adapter, ModelInfo
 from phasekv.evaluate.metrics import summarize
 from phasekv.evaluate.verdict import task_verdict
 from phasekv.report.html import SECTIONS, write_report
@@ -40,6 +43,7 @@ addEventListener("load", () => {
     broken: [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.alt),
     no_alt: [...document.images].filter(i => !(i.alt || "").trim()).length,
     images: document.images.length,
+    alts: [...document.images].map(i => i.alt),
     sections: [...document.querySelectorAll("h2[id]")].map(h => h.id),
     first_image: document.images.length ? document.images[0].getBoundingClientRect().bottom + scrollY : null};
   const out = document.createElement("pre");
@@ -162,3 +166,83 @@ def test_report_reads_top_down(report):
     w8s8 = re.search(r"<li><b>w8s8</b>: (.*?)</li>", page).group(1)
     assert w8s8.startswith("mean ") and "in-context chance 4.0%" in w8s8 and "period 8" in w8s8
     assert "phase sensitive" in w8s8
+
+
+# ---------------------------------------------------------------------------------------------- a long-context audit
+
+
+class NeedleReader(Adapter):
+    """Answers a long-context prompt by finding its query's key code earlier in the prompt and copying the token after
+    it, except where the target key starts at phase 3 (mod 4) in the first half of the prompt: a depth x phase map
+    with a failing cell at one depth only."""
+
+    def __init__(self, vocab: int, query: int):
+        self.info = ModelInfo(name="needle-reader", vocab_size=vocab, num_layers=0, num_heads=0, num_kv_heads=0,
+                              head_dim=0, max_length=1 << 20, stride=None, local_window=None)
+        self.query = query
+
+    module, device = None, torch.device("cpu")
+
+    def read(self, prompt: list[int]) -> int:
+        code = prompt[-self.query:]
+        start = next(i for i in range(len(prompt) - self.query - 1, -1, -1) if prompt[i:i + self.query] == code)
+        wrong = start % 4 == 3 and start < len(prompt) // 2
+        return (prompt[start + self.query] + 1) % self.info.vocab_size if wrong else prompt[start + self.query]
+
+    def logits(self, ids):
+        out = torch.zeros(ids.shape[0], ids.shape[1], self.info.vocab_size)  # (B, T, V)
+        for b, row in enumerate(ids.tolist()):
+            out[b, -1, self.read(row)] = 1.0
+        return out
+
+    def prefill(self, ids):  # the "cache" is the context's ids (no `answer` method: an adapter with one is served)
+        return ids
+
+    def continue_from(self, cache, ids, repeats):
+        return self.logits(torch.cat([cache.repeat_interleave(repeats, 0), ids], dim=1))
+
+
+@pytest.fixture(scope="module")
+def long_report(tmp_path_factory) -> Path:
+    """A long-context audit's report.html (`auditing.pipeline`, two target depths, stride 4) of `NeedleReader`."""
+    import transformers
+
+    from phasekv.auditing.pipeline import run_audit
+    from phasekv.config import AuditPlan, audit_config
+    from phasekv.data.keyspace import train_bpe
+    from phasekv.data.longcontext import LongContextSpec
+
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=train_bpe("byte-level"), bos_token="<s>",
+                                                     eos_token="<s>")
+    spec = LongContextSpec(family="needle", context=1024, stride=4, depths=(0.25, 0.75), per_group=16,
+                           local_window=8)
+    out = tmp_path_factory.mktemp("long") / "audit"
+    summary = run_audit(NeedleReader(len(tokenizer), spec.key_tokens + 1), tokenizer,
+                        audit_config(stride=4, local_window=8), out,
+                        plan=AuditPlan(("none",), protocols=("prefix",), prompts_per_phase=16), progress=False,
+                        long_context=spec)
+    by_depth = summary["conditions"]["none"]["prefix"]["by_depth"]
+    assert by_depth["0.75"]["mean_accuracy"] == 1.0 and by_depth["0.25"]["per_phase"][3]["accuracy"] == 0.0
+    return out / "report.html"
+
+
+@needs_chromium
+def test_a_long_context_report_renders_its_depth_phase_heatmap_in_chromium(long_report):
+    result = probe(long_report)
+    assert result["errors"] == [] and result["console"] == [], result
+    assert result["broken"] == [] and result["no_alt"] == 0, result
+    assert result["images"] == 2, result  # the per-phase curves and the depth x phase heatmap
+    assert result["alts"][1].startswith("Top-1 accuracy by target depth"), result
+    assert (long_report.parent / "figures" / "depth_phase_prefix.png").is_file()
+
+
+@needs_chromium
+def test_the_probe_catches_a_broken_depth_phase_heatmap(long_report):
+    """The heatmap's PNG bytes corrupted: the probe names it (so the test above can fail)."""
+    text = long_report.read_text()
+    at = text.index('<img alt="Top-1 accuracy by target depth')
+    start = text.index("base64,", at) + len("base64,")
+    broken = long_report.with_name("broken.html")
+    broken.write_text(text[:start] + "A" * 64 + text[start + 64:])
+    result = probe(broken)
+    assert [alt[:30] for alt in result["broken"]] == ["Top-1 accuracy by target depth"], result

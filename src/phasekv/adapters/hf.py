@@ -36,7 +36,8 @@ in one line and before any compute, a batch of contexts that would not fit in th
 attention term follows the implementation: eager materializes float32 scores and probabilities, (heads, q, T) per
 row; sdpa materializes only the mask transformers builds once queries follow cached tokens, (q, T) per row (its
 CPU and GPU kernels work in blocks; measured: 54 MiB for a (4096, 4096) boolean mask on CPU against 1 GiB for
-eager's (8, 4096, 4096)), and nothing for a one-shot causal prefill.
+eager's (8, 4096, 4096)), and nothing for a one-shot causal prefill; a mask costs MASK_BYTES a (query, key) pair
+(tests/test_chunked_prefill.py checks a 16K-token chunked prefill's peak RSS against the estimate).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ PACKED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # classes tests/test_m
 # a suffix forward's masked attention costs about twice a causal prefill's per score (tiny Llama, 8K tokens), so on an
 # attention-bound model a shared prefix pays from about 3/4 of the context on (half of 2K tokens: 0.41 s vs 0.33 s)
 SHARE_PREFIX_FROM = 0.75
+# a (query, key) pair of an attention mask: transformers' boolean mask, a boolean temporary of building it, and the
+# float copy PyTorch's CPU attention makes of it (measured, tiny Llama, chunks of 1-4K behind 8-32K cached tokens:
+# 5.6-5.9 bytes a pair of peak RSS growth beyond the other terms, sdpa and eager alike)
+MASK_BYTES = 6
 
 
 @functools.cache
@@ -108,8 +113,8 @@ def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: b
     `length` tokens, prefilled `chunk` tokens at a time (0: at once): the K/V of every layer (the cache a prefill
     keeps), one layer's activations of one chunk at a time (hidden states, queries, the grouped K/V repeated per
     query head, the MLP's three intermediate tensors), the attention's own tensors (eager: (heads, q, T) float32
-    scores and probabilities; sdpa: the (q, T) mask of a chunk behind cached tokens, counted as float32) and the
-    last position's logits."""
+    scores and probabilities; both: the (q, T) mask wherever one is built, MASK_BYTES a pair) and the last
+    position's logits."""
     text = text_config(config)
     heads, hidden = text.num_attention_heads, text.hidden_size
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -117,8 +122,9 @@ def forward_bytes(config, length: int, rows: int, bytes_per_value: int, eager: b
     kv = text.num_hidden_layers * 2 * kv_heads * head_dim * length
     q = chunk if 0 < chunk < length else length
     layer = q * (4 * hidden + 3 * heads * head_dim + 3 * (getattr(text, "intermediate_size", None) or 4 * hidden))
-    scores = 2 * heads * q * length * 4 if eager else (q * length * 4 if q < length else 0)
-    return rows * ((kv + layer) * bytes_per_value + scores + text.vocab_size * 4)
+    scores = 2 * heads * q * length * 4 if eager else 0
+    mask = q * length * MASK_BYTES if eager or q < length else 0  # sdpa's one-shot causal prefill builds none
+    return rows * ((kv + layer) * bytes_per_value + scores + mask + text.vocab_size * 4)
 
 
 class HFAdapter(Adapter):

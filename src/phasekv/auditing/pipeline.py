@@ -167,7 +167,7 @@ def measure_audit(adapter: Adapter, tokenizer: Any, cfg: EvalConfig, *, plan: Au
             results[condition]["layers"] = touched(adapter.module, condition != "none")
         if condition == "none" and not all(results["none"][p]["can_do_task"] for p in protocols):
             log.warning("the model cannot do the task with format %s; no compressed condition evaluated",
-                        cfg.format)
+                        f"long-context {long_context.family}" if long_context else cfg.format)
             break
     summary = {"schema_version": SUMMARY_SCHEMA_VERSION, "model": adapter.info.name, "conditions": results,
                "can_do_task": all(results["none"][p]["can_do_task"] for p in protocols),

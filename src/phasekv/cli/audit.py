@@ -41,6 +41,8 @@ def add_parser(sub) -> None:  # long: every flag of the command, in its --help g
     model.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     model.add_argument("--dtype", help="torch dtype of the --hf model (default float32)")
     model.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    model.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS", help="--hf: prefill TOKENS at a "
+                       "time (memory: the KV cache plus one chunk; 0: the whole context at once)")
     prompts = p.add_argument_group("prompt set")
     prompts.add_argument("--format", default=AUDIT_DEFAULTS["format"],
                          help=f"prompt format: {', '.join(FORMATS)}, or a YAML file")
@@ -124,9 +126,9 @@ def check_flags(args, conditions: tuple[str, ...]) -> None:
     from phasekv.distributed import resolve_device
 
     check_positive(args, "window", "stride", "records", "prompts_per_phase", "batch_size", "local_window")
-    for name in ("demos", "seed", "threads"):
+    for name in ("demos", "seed", "threads", "prefill_chunk"):
         if getattr(args, name) < 0:
-            raise ValueError(f"--{name}: must be >= 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
     if args.records < args.demos + 1:
         raise ValueError(f"--records: {args.records} records cannot hold a target and {args.demos} demonstrations "
                          "of other records (--demos)")
@@ -186,7 +188,7 @@ def run(args) -> dict[str, Any]:
     elif args.checkpoint is not None:
         adapter, tokenizer, spec = checkpoint_subject(args.checkpoint, spec)
     else:
-        adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file)
+        adapter, tokenizer = load_hf(args.hf, device, dtype, gguf_file=args.gguf_file, prefill_chunk=args.prefill_chunk)
     try:
         if reference is not None:
             check_reference_model(args, reference_tokenizer, tokenizer)

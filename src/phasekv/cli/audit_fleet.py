@@ -117,6 +117,9 @@ def run_sharded(args) -> dict[str, Any]:
     if args.endpoint is None or args.reference_hf is not None or args.expect or args.write_expect:
         raise ValueError("--shard: splits an --endpoint audit over machines: needs --endpoint, without "
                          "--reference-hf, --expect or --write-expect (run those on the merged audit's server)")
+    if long_spec(args) is not None:  # a shard's journal and the merge hold a --format set's prompts
+        raise ValueError("--shard: splits a --format prompt set; a long-context set (--context, --preset) is not "
+                         "sharded: spread it over replicas with --endpoint URL1 URL2 ...")
     check_output_dir(Path(args.out), args.force, args.resume)
     cfg = config_of(args)
     plan = AuditPlan(("none",), args.window, tuple(dict.fromkeys(args.protocol)), args.prompts_per_phase)

@@ -127,7 +127,8 @@ def plot_phase_heatmap(curves: dict[str, dict], path: str | Path, title: str | N
     for i, m in enumerate(curves.values()):
         for row in m["per_phase"]:
             grid[i, row["phase"]] = 100 * row["accuracy"]
-    fig = new_figure(1.2 + 0.55 * width + 1.2, 0.9 + 0.32 * len(curves))
+    # at least the axis and colour bar labels' length: a small depth x phase map is otherwise cut at its sides
+    fig = new_figure(max(6.5, 1.2 + 0.55 * width + 1.2), max(2.4, 0.9 + 0.32 * len(curves)))
     ax = fig.add_subplot()
     cmap = colormaps["viridis"].with_extremes(bad="0.85")
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto",

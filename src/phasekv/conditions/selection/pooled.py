@@ -175,6 +175,7 @@ class SelectionState:
     context: dict[int, torch.Tensor] = field(default_factory=dict)  # id(module) -> a cached context's hidden states
     record: bool = False  # keep each layer's selection at the last query position (selection statistics)
     offsets: torch.Tensor | None = None  # grid=jitter: each row's origin (B,) (`SelectionSpec.offsets`)
+    prefilling: bool = False  # a prefill, maybe in chunks: each forward's hidden states join the earlier ones'
     recorded: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
@@ -271,10 +272,11 @@ def attention_configs(model: nn.Module) -> list[Any]:
 
 def _keep_hidden(state: SelectionState):
     """A forward pre-hook keeping the layer's input hidden states, after those of the cached context it continues
-    (`state.context`), so that the indexer sees every key position's."""
+    (`state.context`) or, in a chunked prefill, of the chunks before, so that the indexer sees every key
+    position's."""
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        context = state.context.get(id(module))
+        context = state.hidden.get(id(module)) if state.prefilling else state.context.get(id(module))
         state.hidden[id(module)] = hidden if context is None else torch.cat([context, hidden], dim=1)
     return hook
 
@@ -345,9 +347,11 @@ class SelectionAdapter(Wrapped):
     def prefill(self, ids: torch.Tensor, prefix: int = 0):
         """The inner adapter's cache of the contexts, prefilled under selection; for an indexer that reads hidden
         states, with each layer's input hidden states of the contexts beside it; for grid=jitter, with each
-        context's origin (a context is one request: its queries continue it on its grid)."""
+        context's origin (a context is one request: its queries continue it on its grid).  A chunked prefill (the
+        inner adapter's `prefill_chunk`) gives the same cache and hidden states (tests/test_chunked_prefill.py)."""
         offsets = self.spec.offsets(ids)
         with selecting(self.module, self.spec, self.indexer, offsets=offsets) as state:
+            state.prefilling = True
             cache = self.inner.prefill(ids)
         return cache, (dict(state.hidden) if self.indexer.needs_hidden else {}), offsets
 
