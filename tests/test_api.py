@@ -296,5 +296,5 @@ def test_the_eval_command_writes_valid_eval_results_and_the_function_the_same(tm
         assert main(["eval", "--hf", str(tmp_path / "model"), *flags, "--out", str(out), "--eval-results", str(hub),
                      "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and ("--eval-results: must be another" in err[0] or "not empty" in err[0]), err
+        assert len(err) == 1 and ("is the output --eval-results" in err[0] or "not empty" in err[0]), err
         assert not out.exists()
