@@ -23,6 +23,7 @@ import pytest
 
 from phasekv.cli import main
 from phasekv.engines.journal import journal_path, prompt_key
+from phasekv.outputs import unfinished
 from tests.engine import LoopbackServer, engine_present, llama_server
 from tests.helpers import SMOL, SMOL_FILE, needs_real
 
@@ -197,7 +198,7 @@ def test_faults_that_outlast_the_retries_stop_in_one_line_and_resume_to_the_clea
             code, line = audit(proxy.url, tokenizer, out, capsys, *(["--resume"] if resume else []))
         proxies.append(proxy)
         assert code == 2 and message in line and proxy.posts == posts, (settings, line, proxy.posts)
-        assert not out.exists() and journal.exists()
+        assert unfinished(out) and journal.exists()  # OUT holds only the run's work (OUT/.partial)
         answered.append(len(journal.read_text().splitlines()) - 2)  # the header and the prompt set's line
     assert answered == [2, 3, 5, 6, 6] and n_prompts > 6  # each stop kept what had been answered, and only that
     with FaultProxy(url) as proxy:
