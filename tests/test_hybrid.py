@@ -321,10 +321,10 @@ def test_static_and_indexed_cache_layers_are_refused_in_one_line():
         cache_plan(Cache(layers=[StaticLayer(max_cache_len=8)]))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path, monkeypatch, name):
+def _saved_past_the_gate(name: str, tmp_path, monkeypatch):
+    """The family's tiny model saved with a test tokenizer, and the audit's capability gate let through (a random
+    model is at chance); returns the model directory."""
     from phasekv.auditing import pipeline
-    from phasekv.cli import main
     from tests.helpers import bpe_tokenizer
 
     tokenizer = bpe_tokenizer()
@@ -333,12 +333,20 @@ def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path,
     tokenizer.save_pretrained(model_dir)
     evaluate = pipeline._evaluate
 
-    def gated(*args, **kwargs):  # a random model is at chance: let it through the capability gate
+    def gated(*args, **kwargs):
         run = evaluate(*args, **kwargs)
         run["metrics"]["can_do_task"] = True
         return run
 
     monkeypatch.setattr(pipeline, "_evaluate", gated)
+    return model_dir
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path, monkeypatch, name):
+    from phasekv.cli import main
+
+    model_dir = _saved_past_the_gate(name, tmp_path, monkeypatch)
     conditions = ["none", "select:3+keep-first:1", "mean", "kpool:pool=4,budget=0.25,indexer=oracle"]
     assert main(["audit", "--hf", str(model_dir), "--records", "24", "--demos", "2", "--prompts-per-phase", "1",
                  "--protocol", "prefix", "--compress", *conditions, "--out", str(tmp_path / "audit"),
@@ -357,22 +365,9 @@ def test_the_audit_command_runs_every_condition_and_records_the_layers(tmp_path,
 @needs_kvpress
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
 def test_the_audit_command_runs_a_press_on_a_hybrid_and_records_the_layers(tmp_path, monkeypatch, name):
-    from phasekv.auditing import pipeline
     from phasekv.cli import main
-    from tests.helpers import bpe_tokenizer
 
-    tokenizer = bpe_tokenizer()
-    model_dir = tmp_path / "model"
-    build(name, vocab=len(tokenizer), attention="sdpa").save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    evaluate = pipeline._evaluate
-
-    def gated(*args, **kwargs):  # a random model is at chance: let it through the capability gate
-        run = evaluate(*args, **kwargs)
-        run["metrics"]["can_do_task"] = True
-        return run
-
-    monkeypatch.setattr(pipeline, "_evaluate", gated)
+    model_dir = _saved_past_the_gate(name, tmp_path, monkeypatch)
     assert main(["audit", "--hf", str(model_dir), "--records", "24", "--demos", "2", "--prompts-per-phase", "1",
                  "--protocol", "prefix", "--compress", "none", "--press", "knorm:ratio=0.5", "--out",
                  str(tmp_path / "audit"), "--no-progress", "--threads", "1"]) == 0
