@@ -202,14 +202,13 @@ def source_and_config(args):
 
 
 def check_eval_results(args) -> None:
-    """--eval-results DIR (audit, eval): refused before anything runs when DIR is --out or holds other files."""
+    """--eval-results DIR (audit, eval): refused before anything runs when DIR holds other files (DIR = --out, or
+    one inside the other, is refused earlier with every other pair of outputs: `cli.check_inputs_untouched`)."""
     from pathlib import Path
 
     from phasekv.outputs import check_output_dir
 
     if args.eval_results:
-        if Path(args.eval_results).resolve() == Path(args.out).resolve():
-            raise ValueError("--eval-results: must be another directory than --out")
         check_output_dir(Path(args.eval_results), args.force)
 
 
